@@ -1,0 +1,158 @@
+"""The one typed interface between the worker side (inside vLLM) and the engine side.
+
+Everything that crosses the boundary is plain data: a JSON string for settings, a small dict in
+``SamplingParams.extra_args`` for request tags, and safetensors bytes for captured rows. Nothing is
+ever pickled, so a payload from another process can be decoded safely.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+#: Key used in ``LLM(additional_config=...)`` and in ``SamplingParams.extra_args``.
+CAPTURE_KEY = "uhead_vllm"
+#: Qualified name passed to ``LLM(worker_extension_cls=...)``.
+EXTENSION_QUALNAME = "uhead_vllm.capture.extension.UheadCaptureExtension"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """What the worker records: HF ``output_hidden_states`` layer indices, storage dtype, budget.
+
+    Layer k is the residual stream after decoder layer k-1 (0 = embeddings, the last index is the
+    stream *before* the final norm).
+    """
+
+    layers: tuple[int, ...]
+    dtype: str = "float32"
+    max_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("CaptureSettings.layers is empty: name at least one layer")
+        if any((not isinstance(k, int)) or k < 0 for k in self.layers):
+            raise ValueError(f"layers must be non-negative ints (HF indexing), got {self.layers}")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers contain duplicates: {self.layers}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return {"layers": list(self.layers), "dtype": self.dtype, "max_bytes": self.max_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CaptureSettings":
+        return cls(layers=tuple(int(k) for k in d["layers"]), dtype=d.get("dtype", "float32"),
+                   max_bytes=int(d.get("max_bytes", 4 << 30)))
+
+
+@dataclass(frozen=True)
+class RequestTag:
+    """Explicit identity of one sequence: the caller's tag and the sample index within its prompt."""
+
+    tag: int
+    sample: int = 0
+
+    def to_extra_args(self) -> dict:
+        return {CAPTURE_KEY: {"tag": self.tag, "sample": self.sample}}
+
+    @classmethod
+    def from_extra_args(cls, extra_args: dict | None) -> "RequestTag | None":
+        if not extra_args or CAPTURE_KEY not in extra_args:
+            return None
+        d = extra_args[CAPTURE_KEY]
+        return cls(tag=int(d["tag"]), sample=int(d.get("sample", 0)))
+
+
+@dataclass
+class CapturedRows:
+    """All rows of one fetch. Row r belongs to (tags[r], samples[r]) at positions[r], where the
+    forwarded input token was token_ids[r]; hidden[r] is [num_layers, hidden_size].
+    ``chunk_offsets`` delimit the contiguous chunks as scheduled (one per request per forward), so
+    chunked prefill and prefix-cache skips stay visible."""
+
+    layers: tuple[int, ...]
+    hidden: torch.Tensor  # [R, L, H]
+    tags: torch.Tensor  # [R] int64
+    samples: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    token_ids: torch.Tensor  # [R] int64
+    chunk_offsets: torch.Tensor  # [C + 1] int64
+    error: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tags.numel())
+
+    def chunks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(tag, sample, positions, token_ids, hidden) per scheduled chunk."""
+        out = []
+        offs = self.chunk_offsets.tolist()
+        for a, b in zip(offs[:-1], offs[1:]):
+            out.append((int(self.tags[a]), int(self.samples[a]), self.positions[a:b],
+                        self.token_ids[a:b], self.hidden[a:b]))
+        return out
+
+
+def encode_rows(rows: CapturedRows) -> bytes:
+    """Serialize to safetensors bytes (metadata carries layers, error and worker stats as JSON)."""
+    meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats)}
+    if rows.error:
+        meta["error"] = rows.error
+    tensors = {
+        "hidden": rows.hidden.contiguous(),
+        "tags": rows.tags, "samples": rows.samples, "positions": rows.positions,
+        "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets,
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def decode_rows(payload: bytes) -> CapturedRows:
+    """Inverse of :func:`encode_rows`; safetensors parsing never executes code."""
+    if not isinstance(payload, (bytes, bytearray)):
+        raise TypeError(f"capture payload must be bytes, got {type(payload).__name__}")
+    t = st_load(bytes(payload))
+    meta = _read_metadata(bytes(payload))
+    return CapturedRows(
+        layers=tuple(json.loads(meta["layers"])), hidden=t["hidden"], tags=t["tags"],
+        samples=t["samples"], positions=t["positions"], token_ids=t["token_ids"],
+        chunk_offsets=t["chunk_offsets"], error=meta.get("error"),
+        stats=json.loads(meta.get("stats", "{}")),
+    )
+
+
+def _read_metadata(payload: bytes) -> dict:
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + n])
+    return header.get("__metadata__", {}) or {}
+
+
+def settings_to_json(settings: CaptureSettings) -> str:
+    return json.dumps(settings.to_dict())
+
+
+def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> CapturedRows:
+    z = torch.zeros(0, dtype=torch.int64)
+    return CapturedRows(layers=layers, hidden=torch.empty(0, len(layers), hidden_size, dtype=dtype),
+                        tags=z, samples=z.clone(), positions=z.clone(), token_ids=z.clone(),
+                        chunk_offsets=torch.zeros(1, dtype=torch.int64))
+
+
+__all__ = [
+    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows",
+    "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
+]
