@@ -1,0 +1,342 @@
+"""VllmHiddenStatesGenerator: vLLM outputs plus exact hidden states for every prompt and sample.
+
+One ``generate`` call runs vLLM once with capture on. Rows the engine did not forward because
+their KV blocks were prefix-cached are filled from a store keyed like the prefix cache; rows that
+are still missing are recomputed with prefix-cache reading skipped (or, in strict mode, reported
+as an error). Nothing is ever zero-filled.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+import torch
+
+from ..capture.protocol import CapturedRows, RequestTag
+from .assembly import place_rows
+from .engine import CaptureClient
+from .prefix_store import PrefixRowStore
+from .step_cache import StepCache, StepRecord
+
+PromptLike = str | list[dict] | dict
+
+
+class CaptureError(RuntimeError):
+    """The worker reported a capture failure (e.g. memory budget). ``outputs`` keeps vLLM's results."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class MissingRowsError(RuntimeError):
+    """Strict mode: some rows were skipped by the prefix cache and are not in the store."""
+
+
+@dataclass
+class GenerationStats:
+    """Counters the caller can read (cumulative on the generator, per call on each result)."""
+
+    tokens_forwarded: int = 0  # rows vLLM actually computed for tagged requests (incl. recompute)
+    rows_captured: int = 0  # rows taken from the first pass
+    prefix_cache_rows: int = 0  # rows vLLM skipped because their KV was cached
+    rows_from_store: int = 0
+    rows_recomputed: int = 0
+    recompute_requests: int = 0
+    store_evictions: int = 0
+
+    def add(self, other: "GenerationStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class SampleHiddenStates:
+    """Rows for one sample: ``hidden[p]`` is the state after reading ``token_ids[p]``.
+
+    ``token_ids`` = ``prompt_token_ids`` + ``output_token_ids`` exactly as vLLM ran them. The last
+    sampled token is never forwarded by vLLM, so ``hidden`` has ``len(token_ids) - 1`` rows unless
+    the last token was computed on request (``compute_last_token=True``).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    layers: tuple[int, ...]
+    hidden: torch.Tensor  # [rows, L, H]
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def layer(self, k: int) -> torch.Tensor:
+        """Rows of HF hidden-state index ``k`` as ``[rows, H]``."""
+        if k not in self.layers:
+            raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
+        return self.hidden[:, self.layers.index(k)]
+
+    def generated_rows(self) -> torch.Tensor:
+        """Rows at the generated tokens' positions that exist (see class docstring)."""
+        return self.hidden[self.prompt_len :]
+
+
+@dataclass
+class HiddenStatesGeneration:
+    outputs: list[Any]  # vLLM RequestOutput per prompt, ``outputs[i].outputs[s]`` = sample s
+    hidden_states: list[list[SampleHiddenStates]]  # [prompt][sample]
+    stats: GenerationStats
+
+
+@dataclass
+class _Seq:
+    prompt_index: int
+    sample: int
+    prompt: str
+    expected: torch.Tensor
+    num_rows: int
+    rows: torch.Tensor
+    valid: torch.Tensor
+    output: Any  # vLLM CompletionOutput
+    request_output: Any
+
+
+class VllmHiddenStatesGenerator:
+    """Generate with vLLM and return exact per-token hidden states of the captured layers.
+
+    ``model`` is a ``vllm.LLM`` built with :func:`uhead_vllm.capture_engine_kwargs` or an
+    lm-polygraph ``WhiteboxModelvLLM`` wrapping one. Automatic prefix caching stays on.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        store_max_bytes: int = 1 << 30,
+        strict: bool = False,
+        enable_thinking: bool = False,
+        compute_last_token: bool = False,
+        step_cache_max_idle: int = 2,
+        progress: bool = False,
+    ):
+        self.whitebox = model if hasattr(model, "model") and hasattr(model, "sampling_params") else None
+        self.llm = self.whitebox.model if self.whitebox is not None else model
+        self.client = CaptureClient(self.llm)
+        self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self.store = PrefixRowStore(self.block_size, store_max_bytes)
+        self.step_cache = StepCache(step_cache_max_idle)
+        self.strict = strict
+        self.enable_thinking = enable_thinking
+        self.compute_last_token = compute_last_token
+        self.progress = progress
+        self.stats = GenerationStats()
+        self._next_tag = 0
+
+    # ------------------------------------------------------------------ prompts
+    def render_prompt(self, prompt: PromptLike, index: int = 0) -> tuple[Any, str]:
+        """vLLM input and the prompt text (the step-cache key) for a string, chat or token prompt."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError(f"prompt {index} is empty")
+            return prompt, prompt
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(m, dict) and "role" in m for m in prompt):
+                raise ValueError(f"prompt {index}: a chat must be a non-empty list of role/content dicts")
+            text = self.tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking
+            )
+            return text, text
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            if not ids:
+                raise ValueError(f"prompt {index} has no token ids")
+            return {"prompt_token_ids": ids}, self.tokenizer.decode(ids)
+        raise TypeError(f"prompt {index}: expected str, chat (list of dicts) or TokensPrompt, "
+                        f"got {type(prompt).__name__}")
+
+    def _tagged(self, sp: Any, sample: int) -> tuple[Any, int]:
+        tag = self._next_tag
+        self._next_tag += 1
+        child = copy.deepcopy(sp)
+        child.n = 1
+        if sp.seed is not None:
+            child.seed = sp.seed + sample  # what vLLM does for child i of an n>1 request
+        child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample).to_extra_args()}
+        return child, tag
+
+    # ------------------------------------------------------------------ main entry
+    def generate(
+        self,
+        prompts: Sequence[PromptLike],
+        sampling_params: Any | Sequence[Any] | None = None,
+        *,
+        compute_last_token: bool | None = None,
+    ) -> HiddenStatesGeneration:
+        """Run vLLM once over ``prompts`` and return outputs with exact hidden states."""
+        from vllm import SamplingParams
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None:
+            sampling_params = self.whitebox.sampling_params if self.whitebox else SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        last = self.compute_last_token if compute_last_token is None else compute_last_token
+        rendered = [self.render_prompt(p, i) for i, p in enumerate(prompts)]
+
+        inputs, child_params, owners = [], [], {}
+        for i, ((vllm_input, _), sp) in enumerate(zip(rendered, params)):
+            if sp.n < 1:
+                raise ValueError("SamplingParams.n must be >= 1")
+            for s in range(sp.n):
+                child, tag = self._tagged(sp, s)
+                owners[tag] = (i, s)
+                inputs.append(vllm_input)
+                child_params.append(child)
+
+        self.client.fetch()  # drop rows of requests made outside this generator
+        request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
+        captured = self.client.fetch()
+        if captured.error:
+            raise CaptureError(captured.error, outputs=request_outputs)
+
+        stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows)
+        seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
+        self._place(seqs, captured, owners)
+        missing_before = sum(int((~q.valid[: q.num_rows - (1 if last else 0)]).sum()) for q in seqs)
+        stats.prefix_cache_rows = missing_before
+        for q in seqs:
+            self.store.put(q.expected, q.rows, q.valid)
+        for q in seqs:
+            stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
+        self._recompute_missing(seqs, last, stats)
+        stats.store_evictions = self.store.evictions - self.stats.store_evictions
+        self.stats.add(stats)
+        return self._result(prompts, rendered, seqs, stats)
+
+    # ------------------------------------------------------------------ internals
+    def _sequences(self, rendered, owners, child_params, request_outputs, last: bool) -> list[_Seq]:
+        seqs = []
+        for tag, ro in zip(owners, request_outputs):
+            i, s = owners[tag]
+            out = ro.outputs[0]
+            expected = torch.tensor(list(ro.prompt_token_ids) + list(out.token_ids), dtype=torch.int64)
+            num_rows = len(expected) - (0 if last else 1)
+            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool), out, ro))
+        return seqs
+
+    def _alloc(self, q: _Seq, like: torch.Tensor) -> None:
+        if q.rows is None:
+            q.rows = torch.empty((q.num_rows, *like.shape[1:]), dtype=like.dtype)
+
+    def _place(self, seqs: list[_Seq], captured: CapturedRows, owners: dict) -> None:
+        by_tag = {t: q for t, q in zip(owners, seqs)}
+        hidden_template = captured.hidden if captured.num_rows else None
+        if captured.num_rows:
+            order = torch.argsort(captured.tags, stable=True)
+            tags_sorted = captured.tags[order]
+            uniq, counts = torch.unique_consecutive(tags_sorted, return_counts=True)
+            start = 0
+            for t, c in zip(uniq.tolist(), counts.tolist()):
+                idx = order[start : start + c]
+                start += c
+                q = by_tag.get(t)
+                if q is None:
+                    continue
+                self._alloc(q, captured.hidden)
+                place_rows(q.expected, q.num_rows, captured.positions[idx], captured.token_ids[idx],
+                           captured.hidden[idx], q.rows, q.valid)
+        for q in seqs:
+            if q.rows is None:
+                dtype = self.client.settings.torch_dtype
+                H = hidden_template.shape[-1] if hidden_template is not None else self._hidden_size()
+                q.rows = torch.empty((q.num_rows, len(self.layers), H), dtype=dtype)
+
+    def _hidden_size(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.model_config.get_hidden_size())
+
+    def _recompute_missing(self, seqs: list[_Seq], last: bool, stats: GenerationStats) -> None:
+        from vllm import SamplingParams
+
+        todo = [q for q in seqs if not bool(q.valid.all())]
+        if not todo:
+            return
+        gaps = [q for q in todo if not bool(q.valid[: q.num_rows - (1 if last else 0)].all())]
+        if gaps and self.strict:
+            n = sum(int((~q.valid).sum()) for q in gaps)
+            raise MissingRowsError(
+                f"strict mode: {n} rows of {len(gaps)} sequence(s) were served from vLLM's prefix "
+                f"cache and are not in the row store (budget {self.store.max_bytes} bytes, "
+                f"{len(self.store)} blocks held); raise store_max_bytes or disable strict mode to "
+                "recompute them"
+            )
+        inputs, params, owners = [], [], {}
+        for q in todo:
+            tag = self._next_tag
+            self._next_tag += 1
+            has_gap = not bool(q.valid[: q.num_rows - (1 if last else 0)].all())
+            owners[tag] = q
+            inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist()})
+            params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=has_gap,
+                                         extra_args=RequestTag(tag, 0).to_extra_args()))
+        before = {id(q): int(q.valid.sum()) for q in todo}
+        self.llm.generate(inputs, params, use_tqdm=False)
+        captured = self.client.fetch()
+        if captured.error:
+            raise CaptureError(captured.error)
+        stats.tokens_forwarded += captured.num_rows
+        stats.recompute_requests += len(todo)
+        self._place(list(owners.values()), captured, owners)
+        for q in todo:
+            stats.rows_recomputed += int(q.valid.sum()) - before[id(q)]
+            self.store.put(q.expected, q.rows, q.valid)
+            if not bool(q.valid.all()):
+                missing = torch.nonzero(~q.valid).flatten().tolist()
+                raise RuntimeError(f"rows at positions {missing[:10]} could not be computed; this is a bug")
+
+    def _result(self, prompts, rendered, seqs: list[_Seq], stats: GenerationStats) -> HiddenStatesGeneration:
+        self.step_cache.begin_call()
+        hidden: list[list[SampleHiddenStates]] = [[] for _ in prompts]
+        merged: list[Any] = [None] * len(prompts)
+        for q in seqs:
+            i = q.prompt_index
+            out = copy.copy(q.output)
+            out.index = q.sample
+            if merged[i] is None:
+                merged[i] = copy.copy(q.request_output)
+                merged[i].outputs = []
+            merged[i].outputs.append(out)
+            prompt_ids = q.expected[: len(q.expected) - len(q.output.token_ids)].tolist()
+            sample = SampleHiddenStates(
+                prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
+                output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,
+                hidden=q.rows,
+            )
+            record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
+                                hidden=q.rows[len(prompt_ids):].clone())
+            sample.steps = self.step_cache.extend(q.prompt, record)
+            hidden[i].append(sample)
+        return HiddenStatesGeneration(outputs=merged, hidden_states=hidden, stats=stats)
+
+    # ------------------------------------------------------------------ multi-step control
+    def reset_hs_step_cache(self, reset_prefix_cache: bool = True) -> None:
+        """Start a new multi-step loop: forget trajectories (and vLLM's prefix cache if asked)."""
+        self.step_cache.clear()
+        if reset_prefix_cache:
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+            self.store.clear()

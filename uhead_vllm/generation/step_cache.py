@@ -1,0 +1,85 @@
+"""Per-candidate accumulation of step results across the steps of online best-of-n / beam search.
+
+Strategies feed the text of a chosen candidate back as the next prompt, often trimmed (stop
+tokens stripped, whitespace normalised) and re-tokenised. Token ids therefore do not identify a
+trajectory across steps; its text does. Each entry is keyed by ``prompt + candidate text`` and a
+new prompt continues the entry whose key is its longest string prefix (trailing whitespace
+ignored). A prompt that ends inside a candidate's text (the strategy trimmed a stop marker or a
+tail) still continues that candidate, as long as it reaches past that candidate's own prompt.
+Distinct candidates have distinct keys, so they never overwrite each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepRecord:
+    """One step of one candidate: its text, token ids, the rows of its tokens and any scores."""
+
+    text: str
+    token_ids: list[int]
+    hidden: torch.Tensor  # [rows of the step's tokens, L, H]
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Entry:
+    history: list[StepRecord]
+    prompt_len: int  # length of the (normalised) prompt part of the key
+    last_used: int
+
+
+class StepCache:
+    """Maps trajectory text to its accumulated steps; entries idle for too many calls are dropped."""
+
+    def __init__(self, max_idle_calls: int = 2):
+        if max_idle_calls < 1:
+            raise ValueError("max_idle_calls must be >= 1")
+        self.max_idle_calls = max_idle_calls
+        self._entries: dict[str, _Entry] = {}
+        self._call = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def _norm(text: str) -> str:
+        return text.rstrip()
+
+    def begin_call(self) -> None:
+        """Start a generate call: drop entries that were neither created nor continued lately."""
+        self._call += 1
+        limit = self._call - self.max_idle_calls
+        self._entries = {k: e for k, e in self._entries.items() if e.last_used >= limit}
+
+    def history_for(self, prompt: str) -> list[StepRecord]:
+        """Steps accumulated by the trajectory this prompt continues (empty for a fresh prompt)."""
+        p = self._norm(prompt)
+        best, best_rank = None, None
+        for key, entry in self._entries.items():
+            if p.startswith(key):
+                rank = (1, len(key))  # the prompt continues this candidate
+            elif key.startswith(p) and len(p) > entry.prompt_len:
+                rank = (0, -len(key))  # the prompt is this candidate, trimmed at the end
+            else:
+                continue
+            if best_rank is None or rank > best_rank:
+                best, best_rank = entry, rank
+        if best is None:
+            return []
+        best.last_used = self._call
+        return list(best.history)
+
+    def extend(self, prompt: str, record: StepRecord) -> list[StepRecord]:
+        """Record a new candidate step for ``prompt``; returns the candidate's full history."""
+        history = self.history_for(prompt) + [record]
+        key = self._norm(prompt + record.text)
+        self._entries[key] = _Entry(history, len(self._norm(prompt)), self._call)
+        return history
