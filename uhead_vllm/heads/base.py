@@ -1,0 +1,229 @@
+"""Common contract of uncertainty heads: fit / predict_proba / score, safe save and checked load.
+
+A head is only meaningful on hidden states of the model (and layers, and feature recipe) it was
+trained on. Loading therefore compares what was saved with what the caller expects and refuses a
+mismatch loudly instead of producing plausible-looking nonsense. Storage is ``config.json`` (all
+metadata, human readable) + ``weights.safetensors`` (plain tensors; never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence, TypeVar
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..features import FeatureRecipe
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "weights.safetensors"
+FORMAT_VERSION = 1
+IDENTITY_KEYS: tuple[str, ...] = ("name", "architecture", "hidden_size", "num_hidden_layers")
+
+H = TypeVar("H", bound="UncertaintyHead")
+StepsLike = Sequence[torch.Tensor | np.ndarray]
+
+
+class HeadMismatchError(ValueError):
+    """A saved head does not fit the model, layers or feature size it is being loaded for."""
+
+
+@dataclass
+class HeadConfig:
+    """Everything about a head except its weights; saved as ``config.json``."""
+
+    head_type: str
+    n_features: int
+    model_identity: dict[str, Any] | None = None
+    layers: list[int] | None = None
+    recipe: dict[str, Any] | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeadConfig":
+        data = json.loads(Path(path).read_text())
+        version = data.get("format_version", FORMAT_VERSION)
+        if version > FORMAT_VERSION:
+            raise HeadMismatchError(f"{path}: format_version {version} is newer than supported {FORMAT_VERSION}")
+        return cls(**data)
+
+
+def identity_from_hf_config(name: str, hf_config: Any) -> dict[str, Any]:
+    """Build a ``model_identity`` dict from a HF config (uses ``text_config`` for multimodal models)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
+    return {
+        "name": name,
+        "architecture": archs[0],
+        "hidden_size": int(text.hidden_size),
+        "num_hidden_layers": int(text.num_hidden_layers),
+    }
+
+
+def check_compatible(
+    config: HeadConfig,
+    expect_model_identity: dict[str, Any] | None = None,
+    expect_layers: Sequence[int] | None = None,
+) -> None:
+    """Raise :class:`HeadMismatchError` naming saved vs expected values on any disagreement."""
+    saved_id = config.model_identity or {}
+    if expect_model_identity is not None:
+        for key in IDENTITY_KEYS:
+            if key not in expect_model_identity:
+                continue
+            want, have = expect_model_identity[key], saved_id.get(key)
+            if have != want:
+                raise HeadMismatchError(
+                    f"head was trained for model {key}={have!r} but expected {key}={want!r}"
+                )
+    if expect_layers is not None and (config.layers is None or list(config.layers) != [int(x) for x in expect_layers]):
+        raise HeadMismatchError(f"head was trained on layers {config.layers} but expected layers {list(expect_layers)}")
+    # Feature size implied by recipe and hidden size must be what the weights take.
+    hidden = (expect_model_identity or {}).get("hidden_size", saved_id.get("hidden_size"))
+    if config.recipe is not None and hidden is not None:
+        implied = FeatureRecipe.from_dict(config.recipe).token_dim(int(hidden))
+        if implied != config.n_features:
+            raise HeadMismatchError(
+                f"head takes {config.n_features} features per token but recipe {config.recipe} with "
+                f"hidden_size={hidden} gives {implied}"
+            )
+
+
+def check_labels(labels: Any, n: int) -> np.ndarray:
+    """Labels as int array of 0/1 (1 = wrong) with both classes present."""
+    y = np.asarray(labels)
+    if y.shape != (n,):
+        raise ValueError(f"labels must have shape ({n},), got {y.shape}")
+    if not np.isin(y, (0, 1)).all():
+        raise ValueError("labels must be 0 (correct) or 1 (wrong)")
+    y = y.astype(np.int64)
+    if y.min() == y.max():
+        raise ValueError(f"labels contain one class only ({int(y[0])}); a head needs both")
+    return y
+
+
+class UncertaintyHead(ABC):
+    """Base of all heads: scikit-learn style (constructor-only hyper-parameters, ``_``-suffixed
+    learned attributes), inputs are lists of per-token step matrices ``[t, F]``.
+
+    ``predict_proba`` returns P(wrong) = uncertainty; ``score`` returns validity = 1 - P(wrong)
+    (unlike scikit-learn's ``score``, which is accuracy: consumers want a per-step validity).
+    """
+
+    head_type: ClassVar[str]
+    _param_names: ClassVar[tuple[str, ...]] = ()
+    _registry: ClassVar[dict[str, type["UncertaintyHead"]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "head_type" in cls.__dict__:
+            UncertaintyHead._registry[cls.head_type] = cls
+
+    def __init__(self, recipe: FeatureRecipe | dict[str, Any] | None = None, model_identity: dict[str, Any] | None = None):
+        self.recipe = FeatureRecipe.from_dict(recipe) if isinstance(recipe, dict) else recipe
+        self.model_identity = dict(model_identity) if model_identity is not None else None
+
+    # --- subclass contract ---------------------------------------------------------------------
+
+    @abstractmethod
+    def fit(self: H, steps: StepsLike, labels: Any) -> H:
+        """Train on steps (``[t, F]`` each) with labels 1 = wrong, 0 = correct."""
+
+    @abstractmethod
+    def predict_proba(self, steps: StepsLike) -> np.ndarray:
+        """P(step is wrong) per step, shape ``[n]``."""
+
+    @abstractmethod
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """Learned state as named plain tensors."""
+
+    @abstractmethod
+    def _set_weights(self, weights: dict[str, torch.Tensor], n_features: int) -> None:
+        """Restore learned state; raise HeadMismatchError if shapes disagree with ``n_features``."""
+
+    # --- shared behaviour ----------------------------------------------------------------------
+
+    def score(self, steps: StepsLike) -> np.ndarray:
+        """Validity per step, 1 - P(wrong)."""
+        return 1.0 - self.predict_proba(steps)
+
+    def get_params(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._param_names}
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "n_features_in_"):
+            raise RuntimeError(f"{type(self).__name__} is not fitted; call fit() or load()")
+
+    def _as_steps(self, steps: StepsLike, fitting: bool = False) -> list[torch.Tensor]:
+        """Validate steps: non-empty float32 ``[t, F]`` matrices with one F (the fitted one)."""
+        if not fitting:
+            self._check_fitted()
+        out = [torch.as_tensor(s).to(torch.float32) for s in steps]
+        if not out:
+            raise ValueError("no steps given")
+        want = None if fitting else self.n_features_in_
+        for i, s in enumerate(out):
+            if s.dim() != 2 or s.shape[0] == 0:
+                raise ValueError(f"step {i} must be a non-empty [t, F] matrix, got shape {tuple(s.shape)}")
+            want = s.shape[1] if want is None else want
+            if s.shape[1] != want:
+                raise ValueError(f"step {i} has {s.shape[1]} features, expected {want}")
+        return out
+
+    def config(self) -> HeadConfig:
+        self._check_fitted()
+        return HeadConfig(
+            head_type=self.head_type,
+            n_features=int(self.n_features_in_),
+            model_identity=self.model_identity,
+            layers=list(self.recipe.layers) if self.recipe else None,
+            recipe=self.recipe.to_dict() if self.recipe else None,
+            hyperparameters=self.get_params(),
+            training=dict(getattr(self, "training_summary_", {})),
+        )
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + ``weights.safetensors`` into ``directory`` (created if needed)."""
+        config = self.config()
+        check_compatible(config)  # refuse to write a head whose recipe contradicts its feature size
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().cpu().contiguous().clone() for k, v in self._weights().items()}
+        save_file(weights, str(out / WEIGHTS_FILE), metadata={"head_type": self.head_type})
+        config.save(out / CONFIG_FILE)
+        return out
+
+    @classmethod
+    def load(
+        cls: type[H],
+        directory: str | Path,
+        expect_model_identity: dict[str, Any] | None = None,
+        expect_layers: Sequence[int] | None = None,
+    ) -> H:
+        """Load a saved head, verifying model identity, layers and feature size; dispatches on
+        the saved head type when called on the base class."""
+        path = Path(directory)
+        config = HeadConfig.load(path / CONFIG_FILE)
+        head_cls = UncertaintyHead._registry.get(config.head_type)
+        if head_cls is None:
+            raise HeadMismatchError(
+                f"unknown head type {config.head_type!r}; known: {sorted(UncertaintyHead._registry)}"
+            )
+        if not issubclass(head_cls, cls):
+            raise HeadMismatchError(f"{path} holds a {config.head_type!r} head, not a {cls.__name__}")
+        check_compatible(config, expect_model_identity, expect_layers)
+        head = head_cls(recipe=config.recipe, model_identity=config.model_identity, **config.hyperparameters)
+        head._set_weights(load_file(str(path / WEIGHTS_FILE)), config.n_features)
+        head.n_features_in_ = config.n_features
+        head.training_summary_ = dict(config.training)
+        return head  # type: ignore[return-value]
