@@ -1,0 +1,49 @@
+"""Hugging Face reference for parity checks: the same token ids through transformers' forward.
+
+HF index convention: ``hidden_states[k]`` is the residual stream after decoder layer k-1 (0 =
+embeddings). transformers 5 ties the last entry to the *normed* output by default; the capture
+contract keeps the stream before the final norm, so the reference sets
+``config.tie_last_hidden_states = False``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+
+@lru_cache(maxsize=4)
+def hf_model(path: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.config.tie_last_hidden_states = False
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_rows(path: str | Path, token_ids: Sequence[int], layers: Sequence[int], dtype: str = "float32") -> torch.Tensor:
+    """``[len(token_ids), len(layers), H]`` reference rows in float32."""
+    model = hf_model(str(path), dtype)
+    out = model(torch.tensor([list(token_ids)]), output_hidden_states=True)
+    return torch.stack([out.hidden_states[k][0] for k in layers], dim=1).float()
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over rows and layers of max|got - ref| / max|ref| (per row and layer)."""
+    got, ref = got.float(), ref.float()
+    scale = ref.abs().amax(dim=-1).clamp_min(1e-12)
+    return float(((got - ref).abs().amax(dim=-1) / scale).max())
+
+
+def assert_rows_match(path, token_ids, hidden: torch.Tensor, layers, tol: float, dtype: str = "float32") -> float:
+    """Every row of ``hidden`` (aligned to token_ids from position 0) equals the reference."""
+    assert hidden.shape[0] in (len(token_ids), len(token_ids) - 1), (hidden.shape, len(token_ids))
+    assert hidden.shape[1] == len(layers)
+    ref = hf_rows(path, token_ids, layers, dtype)[: hidden.shape[0]]
+    err = relative_error(hidden, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol} over {hidden.shape[0]} rows"
+    return err

@@ -1,0 +1,180 @@
+"""Worker-side capture: every captured row equals Hugging Face's forward on the same token ids.
+
+Covers eager and compiled mode, in-process and multiprocess engines, chunked prefill splitting a
+long prompt, four samples of one prompt, layers 0 / middle / last, fp32 and bf16 storage.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm import SamplingParams
+
+from capture_checks import check_raw_rows
+from conftest import make_vllm_kwargs
+from uhead_vllm.capture.protocol import RequestTag
+from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstalledError, VllmHiddenStatesGenerator, build_llm
+from uhead_vllm.models import model_identity
+
+LONG = "12 + 7 = 19 and the cat sat on the mat. " * 8  # > 64 tokens: split by chunked prefill
+
+
+def layers_for(model: Path) -> tuple[int, ...]:
+    n = model_identity(model)["num_hidden_layers"]
+    return (0, n // 2, n)
+
+
+def run_tagged(llm, client, prompts, n=1, max_tokens=12, temperature=0.8):
+    """Generate with explicit tags (tag = prompt*n + sample); return rows and sequences by tag."""
+    inputs, params, tags = [], [], []
+    for i, p in enumerate(prompts):
+        for s in range(n):
+            inputs.append(p)
+            tags.append(i * n + s)
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                         extra_args=RequestTag(i * n + s, s).to_extra_args()))
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    rows = client.fetch()
+    seqs = {t: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for t, o in zip(tags, outs)}
+    return rows, seqs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def eager_engine(request, tiny_models):
+    model = tiny_models[request.param]
+    layers = layers_for(model)
+    llm = build_llm(str(model), layers, **make_vllm_kwargs(max_num_batched_tokens=64))
+    yield model, layers, llm
+    del llm
+    gc.collect()
+
+
+def test_eager_rows_match_hf_with_chunked_prefill_and_four_samples(eager_engine):
+    model, layers, llm = eager_engine
+    client = CaptureClient(llm)
+    assert client.settings.layers == layers
+    rows, seqs = run_tagged(llm, client, [LONG, "3 * 4 = 12", "the mat is red"], n=4)
+    assert rows.error is None
+    checked = check_raw_rows(model, seqs, rows.tags, rows.positions, rows.token_ids, rows.hidden, layers, 1e-4)
+    assert checked >= sum(len(s) for s in seqs.values()) // 2
+    # Chunked prefill: the long prompt's first sample arrives in several prompt chunks.
+    chunks = [c for c in rows.chunks() if c[0] == 0 and c[2].numel() > 1]  # prefill chunks
+    assert len(chunks) >= 2, "long prompt was not split by chunked prefill"
+    # Every sample has its own generated rows, attributed to its sample index.
+    for t, seq in seqs.items():
+        m = rows.tags == t
+        assert set(rows.samples[m].tolist()) == {t % 4}
+        assert int(rows.positions[m].max()) == len(seq) - 2  # last sampled token is never forwarded
+
+
+def test_untagged_requests_are_not_recorded(eager_engine):
+    _, _, llm = eager_engine
+    client = CaptureClient(llm)
+    llm.generate(["the cat sat"], SamplingParams(max_tokens=4), use_tqdm=False)
+    rows = client.fetch()
+    assert rows.num_rows == 0 and rows.error is None
+    assert rows.stats["forwards_seen"] > 0 and rows.stats["forwards_recorded"] == 0
+
+
+def test_shared_tag_from_direct_n_gt_1_is_reported(eager_engine):
+    _, _, llm = eager_engine
+    client = CaptureClient(llm)
+    llm.generate(["the cat"], SamplingParams(n=2, max_tokens=3, extra_args=RequestTag(7).to_extra_args()),
+                 use_tqdm=False)
+    rows = client.fetch()
+    assert rows.error and "same capture tag" in rows.error
+
+
+def test_compiled_mode_rows_match_hf(tiny_models):
+    model = tiny_models["llama"]
+    layers = layers_for(model)
+    llm = build_llm(str(model), layers, **make_vllm_kwargs(enforce_eager=False, max_num_batched_tokens=64))
+    client = CaptureClient(llm)
+    rows, seqs = run_tagged(llm, client, [LONG, "3 * 4 = 12"], n=4)
+    check_raw_rows(model, seqs, rows.tags, rows.positions, rows.token_ids, rows.hidden, layers, 1e-4)
+    del llm, client
+    gc.collect()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode,name", [("eager", "qwen3"), ("compiled", "llama")])
+def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
+    model = tiny_models[name]
+    layers = layers_for(model)
+    out = tmp_path / "rows.safetensors"
+    script = Path(__file__).parent / "scripts" / "capture_in_subprocess.py"
+    proc = subprocess.run([sys.executable, str(script), str(model), str(out), mode, json.dumps(list(layers))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    t = load_file(str(out))
+    seqs = {i: t[f"seq_{i}"].tolist() for i in range(3)}
+    check_raw_rows(model, seqs, t["tags"], t["positions"], t["token_ids"], t["hidden"], layers, 1e-4)
+    assert t["chunk_offsets"].numel() - 1 > 3 * 2  # prompt chunks + decode steps
+
+
+def test_bf16_storage_rows_match_hf(tiny_models):
+    model = tiny_models["qwen3"]
+    layers = layers_for(model)
+    llm = build_llm(str(model), layers, capture_dtype="bfloat16", **make_vllm_kwargs())
+    client = CaptureClient(llm)
+    rows, seqs = run_tagged(llm, client, ["3 * 4 = 12 and 5 + 5 = 10", "the mat is red"], n=2)
+    assert rows.hidden.dtype == torch.bfloat16
+    check_raw_rows(model, seqs, rows.tags, rows.positions, rows.token_ids, rows.hidden, layers, 2e-2)
+    # Memory budget: a tiny per-call budget fails clearly and the engine keeps working.
+    del llm, client
+    gc.collect()
+
+
+def test_memory_budget_fails_clearly_and_engine_survives(tiny_models):
+    model = tiny_models["llama"]
+    llm = build_llm(str(model), (0, 1), max_capture_bytes=20_000, **make_vllm_kwargs())
+    gen = VllmHiddenStatesGenerator(llm)
+    with pytest.raises(CaptureError, match="memory budget exceeded") as err:
+        gen.generate([LONG], SamplingParams(max_tokens=8))
+    assert err.value.outputs and err.value.outputs[0].outputs[0].token_ids  # vLLM's results kept
+    res = gen.generate(["3 * 4"], SamplingParams(max_tokens=4))  # small request still fits
+    assert res.hidden_states[0][0].hidden.shape[0] == len(res.hidden_states[0][0].token_ids) - 1
+    del gen, llm
+    gc.collect()
+
+
+def test_unknown_layer_is_refused_at_setup(tiny_models):
+    model = tiny_models["llama"]
+    n = model_identity(model)["num_hidden_layers"]
+    with pytest.raises(Exception, match="out of range"):
+        build_llm(str(model), (0, n + 1), **make_vllm_kwargs())
+    gc.collect()
+
+
+def test_engine_without_extension_gives_clear_error(tiny_models):
+    import vllm
+
+    llm = vllm.LLM(model=str(tiny_models["llama"]), **make_vllm_kwargs())
+    with pytest.raises(CaptureNotInstalledError, match="capture_engine_kwargs"):
+        VllmHiddenStatesGenerator(llm)
+    del llm
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_embedded_model_rows_match_hf(embedded_model):
+    layers = (0, 15, 30)
+    llm = build_llm(str(embedded_model), layers, **make_vllm_kwargs(max_model_len=1024))
+    gen = VllmHiddenStatesGenerator(llm)
+    chats = [[{"role": "user", "content": q}] for q in ("What is 7 + 8?", "Name a colour.", "What is 45 + 38?")]
+    res = gen.generate(chats, SamplingParams(max_tokens=24, temperature=0.0))
+    from reference import assert_rows_match
+
+    for per in res.hidden_states:
+        s = per[0]
+        assert len(s.output_token_ids) > 0
+        assert_rows_match(embedded_model, s.token_ids, s.hidden, layers, 1e-4)
+    del gen, llm
+    gc.collect()
