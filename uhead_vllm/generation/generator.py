@@ -9,6 +9,7 @@ as an error). Nothing is ever zero-filled.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -21,6 +22,9 @@ from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 
 PromptLike = str | list[dict] | dict
+
+#: Capture tags are unique in the process, so generators sharing one engine never collide.
+_TAGS = itertools.count()
 
 
 class CaptureError(RuntimeError):
@@ -141,7 +145,6 @@ class VllmHiddenStatesGenerator:
         self.compute_last_token = compute_last_token
         self.progress = progress
         self.stats = GenerationStats()
-        self._next_tag = 0
 
     # ------------------------------------------------------------------ prompts
     def render_prompt(self, prompt: PromptLike, index: int = 0) -> tuple[Any, str]:
@@ -166,8 +169,7 @@ class VllmHiddenStatesGenerator:
                         f"got {type(prompt).__name__}")
 
     def _tagged(self, sp: Any, sample: int) -> tuple[Any, int]:
-        tag = self._next_tag
-        self._next_tag += 1
+        tag = next(_TAGS)
         child = copy.deepcopy(sp)
         child.n = 1
         if sp.seed is not None:
@@ -286,8 +288,7 @@ class VllmHiddenStatesGenerator:
             )
         inputs, params, owners = [], [], {}
         for q in todo:
-            tag = self._next_tag
-            self._next_tag += 1
+            tag = next(_TAGS)
             has_gap = not bool(q.valid[: q.num_rows - (1 if last else 0)].all())
             owners[tag] = q
             inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist()})
@@ -310,6 +311,7 @@ class VllmHiddenStatesGenerator:
 
     def _result(self, prompts, rendered, seqs: list[_Seq], stats: GenerationStats) -> HiddenStatesGeneration:
         self.step_cache.begin_call()
+        parents = {q.prompt: self.step_cache.history_for(q.prompt) for q in seqs}
         hidden: list[list[SampleHiddenStates]] = [[] for _ in prompts]
         merged: list[Any] = [None] * len(prompts)
         for q in seqs:
@@ -328,7 +330,7 @@ class VllmHiddenStatesGenerator:
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                                 hidden=q.rows[len(prompt_ids):].clone())
-            sample.steps = self.step_cache.extend(q.prompt, record)
+            sample.steps = self.step_cache.extend(q.prompt, record, parents[q.prompt])
             hidden[i].append(sample)
         return HiddenStatesGeneration(outputs=merged, hidden_states=hidden, stats=stats)
 

@@ -64,10 +64,12 @@ class StepCache:
         p = self._norm(prompt)
         best, best_rank = None, None
         for key, entry in self._entries.items():
+            # Rank by how much of the prompt the candidate accounts for; a trimmed candidate
+            # accounts for all of it.
             if p.startswith(key):
-                rank = (1, len(key))  # the prompt continues this candidate
+                rank = (len(key), 1, 0)  # the prompt continues this candidate
             elif key.startswith(p) and len(p) > entry.prompt_len:
-                rank = (0, -len(key))  # the prompt is this candidate, trimmed at the end
+                rank = (len(p), 0, -len(key))  # the prompt is this candidate, trimmed at the end
             else:
                 continue
             if best_rank is None or rank > best_rank:
@@ -77,9 +79,13 @@ class StepCache:
         best.last_used = self._call
         return list(best.history)
 
-    def extend(self, prompt: str, record: StepRecord) -> list[StepRecord]:
-        """Record a new candidate step for ``prompt``; returns the candidate's full history."""
-        history = self.history_for(prompt) + [record]
+    def extend(self, prompt: str, record: StepRecord, parent: list[StepRecord]) -> list[StepRecord]:
+        """Record a new candidate step of ``prompt`` after ``parent`` (its ``history_for``).
+
+        Look parents up for a whole call before extending, so candidates created in this call are
+        never mistaken for parents of prompts in the same call.
+        """
+        history = parent + [record]
         key = self._norm(prompt + record.text)
         self._entries[key] = _Entry(history, len(self._norm(prompt)), self._call)
         return history

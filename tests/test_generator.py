@@ -1,0 +1,187 @@
+"""VllmHiddenStatesGenerator: exact rows for every sample at every step, despite prefix caching.
+
+Each check compares the returned rows with Hugging Face's forward on the exact token ids vLLM ran.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from vllm import SamplingParams
+
+from conftest import make_vllm_kwargs
+from reference import assert_rows_match, hf_rows
+from uhead_vllm.generation import MissingRowsError, VllmHiddenStatesGenerator, build_llm
+
+LAYERS = (0, 2, 4)  # tiny llama has 4 decoder layers: embeddings, middle, last (pre-norm)
+SHARED = "the cat sat on the mat and 12 + 7 = 19 so the dog ran. "  # shared prompt prefix
+TAILS = ["3 * 4 =", "5 + 6 =", "the mat is", "9 - 2 = 7 and", "red cat"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    engine = build_llm(str(tiny_models["llama"]), LAYERS, **make_vllm_kwargs())
+    yield engine
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_models):
+    return str(tiny_models["llama"])
+
+
+def check_all(model_path, res) -> int:
+    n = 0
+    for per in res.hidden_states:
+        for s in per:
+            assert s.hidden.shape[0] == len(s.token_ids) - 1
+            assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)
+            n += s.hidden.shape[0]
+    return n
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_multistep_best_of_n_and_beam_rows_exact(llm, model_path, data):
+    """Random online best-of-n / beam-search runs: every row of every sample at every step is exact."""
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    n_prompts = data.draw(st.integers(1, 3), label="prompts")
+    roots = [SHARED * data.draw(st.integers(1, 2)) + data.draw(st.sampled_from(TAILS)) for _ in range(n_prompts)]
+    if data.draw(st.booleans(), label="repeat a prompt"):
+        roots.append(roots[0])
+    beam = data.draw(st.booleans(), label="beam")
+    # trajectory: (prompt text, expected texts of its previous steps)
+    live = [(r, []) for r in roots]
+    for step in range(3):
+        n = data.draw(st.integers(1, 3), label="n")
+        # Seeded so that the sampled texts, and hence later draws, replay identically.
+        sp = SamplingParams(n=n, max_tokens=data.draw(st.integers(3, 10)), min_tokens=2, temperature=1.0,
+                            seed=data.draw(st.integers(0, 1000), label="seed"))
+        res = gen.generate([p for p, _ in live], sp)
+        check_all(model_path, res)
+        if step > 0:
+            assert res.stats.prefix_cache_rows > 0 and res.stats.rows_from_store > 0
+        nxt = []
+        for (prompt, past), per in zip(live, res.hidden_states):
+            for s in per:
+                assert [r.text for r in s.steps] == past + [s.text], "candidate lost its own history"
+                assert s.steps[-1].hidden.shape[0] == s.hidden.shape[0] - s.prompt_len
+            keep = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 if beam else 1, unique=True))
+            for k in keep:
+                s = per[k]
+                text = s.text
+                others = [o.text for j, o in enumerate(per) if j != k]
+                if data.draw(st.booleans(), label="trim") and len(text) > 2:
+                    cut = text[: len(text) - data.draw(st.integers(1, 2))]
+                    if cut.strip() and not any(o.startswith(cut) for o in others):
+                        text = cut  # strategy trims the candidate (stop marker, whitespace)
+                nxt.append((prompt + text, past + [s.text]))
+        live = nxt[:4]
+    assert gen.stats.prefix_cache_rows > 0 and gen.stats.rows_from_store > 0
+
+
+def test_starved_store_recomputes_exactly_and_strict_mode_raises(llm, model_path):
+    prompts = [SHARED * 2 + t for t in TAILS[:3]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    gen = VllmHiddenStatesGenerator(llm, store_max_bytes=1)  # nothing fits in the store
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    gen.generate(prompts, sp)
+    res = gen.generate(prompts, sp)  # vLLM now serves the shared blocks from its prefix cache
+    assert res.stats.prefix_cache_rows > 0
+    assert res.stats.rows_from_store == 0 and res.stats.rows_recomputed > 0
+    check_all(model_path, res)
+
+    strict = VllmHiddenStatesGenerator(llm, store_max_bytes=1, strict=True)
+    with pytest.raises(MissingRowsError, match="strict mode"):
+        strict.generate(prompts, sp)
+
+
+def test_diverging_candidates_keep_their_own_rows(llm, model_path):
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    root = SHARED * 2
+    common = "3 * 4 = 12 and "
+    a, b = root + common + "the cat", root + common + "5 + 6 = 11"
+    sp = SamplingParams(max_tokens=5, temperature=0.0)
+    first = gen.generate([root], SamplingParams(max_tokens=4, temperature=0.0))
+    res = gen.generate([a, b], sp)
+    sa, sb = res.hidden_states[0][0], res.hidden_states[1][0]
+    shared_len = len(gen.tokenizer(root + common)["input_ids"]) - 1
+    assert sa.token_ids[:shared_len] == sb.token_ids[:shared_len]
+    assert sa.token_ids != sb.token_ids
+    assert_rows_match(model_path, sa.token_ids, sa.hidden, LAYERS, 1e-4)
+    assert_rows_match(model_path, sb.token_ids, sb.hidden, LAYERS, 1e-4)
+    assert res.stats.rows_from_store > 0  # the shared prefix was filled, not recomputed
+    # Histories are per candidate: the next step of each continues its own trajectory.
+    nxt = gen.generate([a + sa.text, b + sb.text], sp)
+    assert [r.text for r in nxt.hidden_states[0][0].steps] == [sa.text, nxt.hidden_states[0][0].text]
+    assert [r.text for r in nxt.hidden_states[1][0].steps] == [sb.text, nxt.hidden_states[1][0].text]
+    assert torch.equal(nxt.hidden_states[0][0].steps[0].hidden, sa.generated_rows())
+    assert first.hidden_states[0][0].steps[0].text == first.hidden_states[0][0].text
+
+
+def test_n_samples_match_vllm_seeding_and_share_prompt_rows(llm, model_path):
+    gen = VllmHiddenStatesGenerator(llm)
+    sp4 = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=11)
+    res = gen.generate(["5 + 6 = 11 and"], sp4)
+    one = gen.generate(["5 + 6 = 11 and"], SamplingParams(n=1, max_tokens=6, temperature=1.0, seed=11))
+    samples = res.hidden_states[0]
+    assert [s.sample_index for s in samples] == [0, 1, 2, 3]
+    assert [o.index for o in res.outputs[0].outputs] == [0, 1, 2, 3]
+    assert samples[0].output_token_ids == one.hidden_states[0][0].output_token_ids  # child 0 = seed
+    check_all(model_path, res)
+    p = samples[0].prompt_len
+    for s in samples[1:]:
+        assert torch.allclose(s.hidden[:p], samples[0].hidden[:p], atol=1e-5)
+
+
+def test_compute_last_token_adds_the_final_row(llm, model_path):
+    gen = VllmHiddenStatesGenerator(llm)
+    res = gen.generate([SHARED + "3 * 4 ="], SamplingParams(max_tokens=5, temperature=0.0), compute_last_token=True)
+    s = res.hidden_states[0][0]
+    assert s.hidden.shape[0] == len(s.token_ids)
+    assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)
+    assert res.stats.rows_recomputed >= 1
+
+
+def test_chat_prompts_render_thinking_switch(llm, tiny_models):
+    chat = [{"role": "user", "content": "3 * 4 ="}]
+    off = VllmHiddenStatesGenerator(llm, enable_thinking=False).render_prompt(chat)[1]
+    on = VllmHiddenStatesGenerator(llm, enable_thinking=True).render_prompt(chat)[1]
+    assert off.endswith("<think>\n\n</think>\n\n") and not on.endswith("</think>\n\n")
+    res = VllmHiddenStatesGenerator(llm).generate([chat], SamplingParams(max_tokens=4, temperature=0.0))
+    assert res.hidden_states[0][0].prompt == off
+    assert res.hidden_states[0][0].prompt_token_ids == list(res.outputs[0].prompt_token_ids)
+
+
+def test_bad_prompts_fail_clearly(llm):
+    gen = VllmHiddenStatesGenerator(llm)
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate(["ok", "   "], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="expected str"):
+        gen.generate([42], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="sampling params"):
+        gen.generate(["a", "b"], [SamplingParams(max_tokens=2)])
+    res = gen.generate(["still works"], SamplingParams(max_tokens=2))
+    assert res.hidden_states[0][0].output_token_ids
+
+
+def test_wraps_lm_polygraph_whitebox_model(llm, model_path):
+    from lm_polygraph.model_adapters.whitebox_model_vllm import WhiteboxModelvLLM
+
+    wb = WhiteboxModelvLLM(llm, SamplingParams(max_tokens=5))
+    gen = VllmHiddenStatesGenerator(wb)
+    res = gen.generate(["5 + 6 ="])  # sampling params come from the wrapper
+    assert len(res.hidden_states[0][0].output_token_ids) <= 5
+    check_all(model_path, res)
+    with pytest.raises(KeyError, match="not captured"):
+        res.hidden_states[0][0].layer(1)
+    assert torch.equal(res.hidden_states[0][0].layer(2), res.hidden_states[0][0].hidden[:, 1])
