@@ -1,0 +1,35 @@
+"""uhead_vllm: exact single-pass hidden-state capture in vLLM, and uncertainty heads on top of it.
+
+Worker side (inside vLLM): :mod:`uhead_vllm.capture`. Engine side: :mod:`uhead_vllm.generation`.
+Heads and features: :mod:`uhead_vllm.heads`, :mod:`uhead_vllm.features`.
+"""
+
+from .capture.protocol import CaptureSettings, CapturedRows, RequestTag
+from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
+from .generation import (
+    CaptureError,
+    CaptureNotInstalledError,
+    GenerationStats,
+    HiddenStatesGeneration,
+    MissingRowsError,
+    PrefixRowStore,
+    SampleHiddenStates,
+    StepCache,
+    StepRecord,
+    VllmHiddenStatesGenerator,
+    build_llm,
+    capture_engine_kwargs,
+)
+from .heads import AttentionPoolingHead, HeadMismatchError, LinearProbeHead, load_head
+from .models import embedded_model_path, model_identity, resolve_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureSettings", "CapturedRows", "RequestTag", "FeatureRecipe", "StepSpan", "split_steps",
+    "step_token_features", "CaptureError", "CaptureNotInstalledError", "GenerationStats",
+    "HiddenStatesGeneration", "MissingRowsError", "PrefixRowStore", "SampleHiddenStates", "StepCache",
+    "StepRecord", "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs",
+    "AttentionPoolingHead", "HeadMismatchError", "LinearProbeHead", "load_head", "embedded_model_path",
+    "model_identity", "resolve_model",
+]

@@ -1,0 +1,107 @@
+"""The ``uhead-vllm`` command line.
+
+``prepare-model`` converts the embedded model once; ``generate`` runs vLLM with capture on the
+embedded (or any local) model and prints answers with a summary of the captured hidden states;
+the study subcommands (collect, train, evaluate, study, answer) come from ``uhead_vllm.study``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+BUILTIN_QUESTIONS = [
+    "What is 7 + 8?",
+    "What is 45 + 38?",
+    "What is 6 * 7?",
+    "What is 91 - 17?",
+]
+
+
+def _quiet_cpu_defaults() -> None:
+    """Fast, quiet in-process vLLM on CPU unless the caller configured otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model-cache", default=None,
+                   help="where the embedded model is converted to (default: $UHEAD_VLLM_MODEL_CACHE "
+                        "or ~/.cache/uhead_vllm/models)")
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from .models import model_identity, resolve_model
+
+    path = resolve_model(args.model, args.model_cache)
+    ident = model_identity(path)
+    print(f"{path}\n{ident['name']}: {ident['architecture']}, {ident['num_hidden_layers']} layers, "
+          f"hidden {ident['hidden_size']}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _quiet_cpu_defaults()
+    from vllm import SamplingParams
+
+    from .generation import VllmHiddenStatesGenerator, build_llm
+    from .models import model_identity, resolve_model
+
+    path = resolve_model(args.model, args.model_cache)
+    n_layers = model_identity(path)["num_hidden_layers"]
+    layers = args.layers or [0, n_layers // 2, n_layers]
+    llm = build_llm(str(path), layers, dtype="float32", enforce_eager=not args.compiled,
+                    kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=2048, seed=args.seed)
+    gen = VllmHiddenStatesGenerator(llm, progress=True)
+    questions = args.question or BUILTIN_QUESTIONS
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    res = gen.generate(chats, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    for q, per in zip(questions, res.hidden_states):
+        s = per[0]
+        print(f"Q: {q}\nA: {s.text.strip()}\n   hidden states {tuple(s.hidden.shape)} "
+              f"(rows x layers {list(s.layers)} x hidden) for {len(s.token_ids)} tokens\n")
+    print(f"stats: {res.stats}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="uhead-vllm", description="Exact hidden-state capture in vLLM and per-step uncertainty from heads.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare-model", help="convert/verify the embedded model and print its path")
+    add_model_args(p)
+    p.set_defaults(func=cmd_prepare_model)
+
+    p = sub.add_parser("generate", help="answer questions with vLLM and capture hidden states")
+    add_model_args(p)
+    p.add_argument("question", nargs="*", help="questions (default: a few built-in arithmetic ones)")
+    p.add_argument("--layers", type=int, nargs="+", help="HF hidden-state indices (default: 0, middle, last)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--compiled", action="store_true", help="compiled mode (slower start, faster decode)")
+    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    try:
+        from .study.commands import register
+    except ImportError:  # study package not installed in this checkout
+        register = None
+    if register is not None:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
