@@ -101,3 +101,55 @@ def request_extra_args(runner: Any, req_id: str) -> dict | None:
 
 def live_request_ids(runner: Any) -> set[str]:
     return set(runner.requests.keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-hook route and engine-setting checks (hybrid models, speculative decoding)
+# ---------------------------------------------------------------------------------------------
+
+
+def model_architecture(model: torch.nn.Module) -> str:
+    """Class name of the loaded vLLM model (what the architecture table is keyed by)."""
+    return type(model).__name__
+
+
+def decoder_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
+    """The decoder ``ModuleList`` at dotted ``path`` below the top-level model."""
+    holder: Any = model
+    for name in path.split("."):
+        if not hasattr(holder, name):
+            raise RuntimeError(f"{type(model).__name__}: no decoder layers at .{path} ({name!r} missing)")
+        holder = getattr(holder, name)
+    if not isinstance(holder, torch.nn.ModuleList):
+        raise RuntimeError(f"{type(model).__name__}.{path} is {type(holder).__name__}, not a ModuleList")
+    return holder
+
+
+def is_eager(runner: Any) -> bool:
+    """True when no torch.compile is applied (forward hooks on submodules then fire)."""
+    from vllm.config import CompilationMode
+
+    return runner.vllm_config.compilation_config.mode == CompilationMode.NONE
+
+
+def state_space_types(model: torch.nn.Module) -> set[str]:
+    """Names of the state-space layer kinds in the model (``MAMBA2``, ``GDN_ATTN``, ...)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    return {m.mamba_type.name for m in model.modules() if isinstance(m, MambaBase)}
+
+
+def prefix_caching_enabled(runner: Any) -> bool:
+    return bool(runner.vllm_config.cache_config.enable_prefix_caching)
+
+
+def running_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def speculative_method(runner: Any) -> str | None:
+    """The speculative decoding method the engine runs (``ngram``, ``eagle3``, ...) or None."""
+    spec = runner.vllm_config.speculative_config
+    return None if spec is None else str(spec.method)
