@@ -33,14 +33,34 @@ def capture_engine_kwargs(
 
 
 def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
-              capture_dtype: str = "float32", max_capture_bytes: int = 4 << 30, **llm_kwargs: Any):
-    """``vllm.LLM`` for ``model`` with capture of ``layers`` installed (prefix caching stays on)."""
+              capture_dtype: str = "float32", max_capture_bytes: int = 4 << 30,
+              backend: str = "aux", capture_dir: str | None = None, **llm_kwargs: Any):
+    """``vllm.LLM`` for ``model`` with capture of ``layers`` installed (prefix caching stays on).
+
+    ``backend="aux"``: worker extension + aux hidden states (``capture_engine_kwargs``);
+    ``backend="extract"``: vLLM's ``extract_hidden_states`` method writing files to
+    ``capture_dir`` (``extract_backend.extract_engine_kwargs``). See docs/backends.md.
+    """
     from vllm import LLM
 
+    if backend == "extract":
+        from .extract_backend import extract_engine_kwargs
+
+        return LLM(model=model, dtype=dtype, **extract_engine_kwargs(layers, capture_dir, capture_dtype),
+                   **llm_kwargs)
+    if backend != "aux":
+        raise ValueError(f"backend must be 'aux' or 'extract', got {backend!r}")
     kwargs = capture_engine_kwargs(layers, capture_dtype, max_capture_bytes)
     extra = llm_kwargs.pop("additional_config", None) or {}
     kwargs["additional_config"].update(extra)
     return LLM(model=model, dtype=dtype, **kwargs, **llm_kwargs)
+
+
+def open_capture_client(llm: Any) -> Any:
+    """The capture client matching how ``llm`` was built (extract connector, else aux extension)."""
+    from .extract_backend import ExtractClient, is_extract_engine
+
+    return ExtractClient(llm) if is_extract_engine(llm) else CaptureClient(llm)
 
 
 class CaptureClient:

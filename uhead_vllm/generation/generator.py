@@ -17,7 +17,7 @@ import torch
 
 from ..capture.protocol import CapturedRows, RequestTag
 from .assembly import place_rows
-from .engine import CaptureClient
+from .engine import open_capture_client
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 
@@ -134,7 +134,7 @@ class VllmHiddenStatesGenerator:
     ):
         self.whitebox = model if hasattr(model, "model") and hasattr(model, "sampling_params") else None
         self.llm = self.whitebox.model if self.whitebox is not None else model
-        self.client = CaptureClient(self.llm)
+        self.client = open_capture_client(self.llm)
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)

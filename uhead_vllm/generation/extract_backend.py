@@ -1,0 +1,175 @@
+"""Engine side of the ``extract`` capture backend: vLLM's native ``extract_hidden_states`` method.
+
+vLLM itself takes the aux hidden states where its model runner receives them, stores them in a
+dedicated KV-cache group and, through :class:`~uhead_vllm.capture.extract_connector.
+UheadHiddenStatesConnector`, writes one safetensors file per finished tagged request. This module
+builds the engine kwargs and turns those files into the same :class:`CapturedRows` the ``aux``
+backend returns, so :class:`VllmHiddenStatesGenerator` assembles both the same way.
+
+Because the hidden states live in KV blocks, prefix-cache hits come with their rows (the block of
+the earlier request is shared), so no gap filling is needed; only the last sampled token, which
+vLLM never forwards, is missing and is recomputed on request.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+
+from ..capture.extract_connector import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    DATA_SUFFIX,
+    ERROR_SUFFIX,
+    FILE_PREFIX,
+    PENDING_SUFFIX,
+    parse_stem,
+)
+from ..capture.protocol import CapturedRows, CaptureSettings, empty_rows
+
+#: Keys of ``kv_connector_extra_config`` read back by :class:`ExtractClient`.
+LAYERS_KEY = "uhead_layers"
+DTYPE_KEY = "uhead_dtype"
+
+
+def extract_engine_kwargs(layers: Iterable[int], out_dir: str | os.PathLike | None = None,
+                          dtype: str = "float32") -> dict[str, Any]:
+    """``vllm.LLM`` kwargs for capture through ``extract_hidden_states`` into ``out_dir``.
+
+    ``layers`` use HF indexing (vLLM's aux layer id k is HF ``hidden_states[k]``: 0 = embeddings,
+    the last is before the final norm). vLLM emits them in ascending order; the requested order is
+    kept in the connector config and restored on read. ``out_dir`` defaults to a fresh temporary
+    directory; give each engine its own, the client deletes every result file it reads there.
+    """
+    settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype)
+    path = str(out_dir) if out_dir is not None else tempfile.mkdtemp(prefix="uhead-extract-")
+    os.makedirs(path, exist_ok=True)
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {
+                "eagle_aux_hidden_state_layer_ids": sorted(settings.layers)}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": path,
+                LAYERS_KEY: list(settings.layers),
+                DTYPE_KEY: settings.dtype,
+            },
+        },
+    }
+
+
+def _connector_extra(llm: Any) -> dict | None:
+    vllm_config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    cfg = getattr(vllm_config, "kv_transfer_config", None)
+    if cfg is None or cfg.kv_connector != CONNECTOR_NAME:
+        return None
+    return dict(cfg.kv_connector_extra_config or {})
+
+
+def is_extract_engine(llm: Any) -> bool:
+    """True when ``llm`` was built with :func:`extract_engine_kwargs`."""
+    return _connector_extra(llm) is not None
+
+
+def read_results(out_dir: str | os.PathLike, layers: tuple[int, ...], dtype: torch.dtype,
+                 hidden_size: int, delete: bool = True) -> CapturedRows:
+    """All result files in ``out_dir`` as one :class:`CapturedRows` (files removed unless told).
+
+    Each file holds positions ``0..T-1`` of one request in ascending aux-layer order; rows are
+    reordered to ``layers``. ``.error`` files become ``CapturedRows.error``. safetensors parsing
+    never executes code.
+    """
+    out = Path(out_dir)
+    aux = tuple(sorted(layers))
+    select = [aux.index(k) for k in layers]
+    errors, chunks = [], []
+    for f in sorted(out.glob(f"{FILE_PREFIX}*{ERROR_SUFFIX}")):
+        errors.append(f"{f.stem}: {f.read_text()}")
+        if delete:
+            f.unlink()
+    for f in sorted(out.glob(f"{FILE_PREFIX}*{DATA_SUFFIX}")):
+        tag = parse_stem(f.name[: -len(DATA_SUFFIX)])
+        with safe_open(str(f), framework="pt") as st:
+            hidden = st.get_tensor("hidden_states")
+            token_ids = st.get_tensor("token_ids").to(torch.int64)
+        if delete:
+            f.unlink()
+        if hidden.dim() != 3 or hidden.shape[1] != len(aux) or hidden.shape[0] != token_ids.numel():
+            errors.append(f"{f.name}: hidden_states {tuple(hidden.shape)} does not match "
+                          f"{token_ids.numel()} token ids x {len(aux)} layers")
+            continue
+        if hidden.shape[0]:
+            chunks.append((tag, token_ids, hidden[:, select].to(dtype)))
+    if not chunks:
+        rows = empty_rows(tuple(layers), hidden_size, dtype)
+    else:
+        lens = torch.tensor([c[1].numel() for c in chunks], dtype=torch.int64)
+        rows = CapturedRows(
+            layers=tuple(layers),
+            hidden=torch.cat([c[2] for c in chunks]),
+            tags=torch.repeat_interleave(torch.tensor([c[0].tag for c in chunks]), lens),
+            samples=torch.repeat_interleave(torch.tensor([c[0].sample for c in chunks]), lens),
+            positions=torch.cat([torch.arange(c[1].numel(), dtype=torch.int64) for c in chunks]),
+            token_ids=torch.cat([c[1] for c in chunks]),
+            chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+        )
+    rows.error = "; ".join(errors) or None
+    rows.stats = {"files": len(chunks)}
+    return rows
+
+
+class ExtractClient:
+    """Same contract as :class:`~uhead_vllm.generation.engine.CaptureClient` for the extract backend.
+
+    ``fetch`` waits until every tagged request has its file (the worker writes a request's rows one
+    engine step after it finishes), then reads and deletes the files.
+    """
+
+    def __init__(self, llm: Any, timeout: float = 120.0):
+        extra = _connector_extra(llm)
+        if extra is None or LAYERS_KEY not in extra:
+            raise ValueError("this vLLM engine was not built with extract_engine_kwargs(...)")
+        self.llm = llm
+        self.timeout = timeout
+        self.out_dir = Path(extra["shared_storage_path"])
+        self.settings = CaptureSettings(layers=tuple(int(k) for k in extra[LAYERS_KEY]),
+                                        dtype=extra.get(DTYPE_KEY, "float32"))
+        self.hidden_size = int(llm.llm_engine.vllm_config.model_config.get_hidden_size())
+
+    def _in_process(self) -> bool:
+        # vLLM internals (engine side, 0.32): an in-process engine core only advances when stepped.
+        return type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        in_process = self._in_process()
+        while list(self.out_dir.glob(f"{FILE_PREFIX}*{PENDING_SUFFIX}")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"hidden-state files in {self.out_dir} still pending after {self.timeout} s; "
+                    "is another caller running requests on this engine?")
+            if in_process:
+                self.llm.llm_engine.step()  # lets the worker write finished requests
+            else:
+                time.sleep(0.005)
+
+    def fetch(self) -> CapturedRows:
+        """Rows of every request finished since the previous fetch (their files are deleted)."""
+        self._wait()
+        return read_results(self.out_dir, self.settings.layers, self.settings.torch_dtype,
+                            self.hidden_size)
+
+
+__all__ = ["extract_engine_kwargs", "is_extract_engine", "read_results", "ExtractClient"]
