@@ -1,0 +1,278 @@
+"""polygraph_eval with an uncertainty head on the embedded model: data, head, run, results table.
+
+    python experiments/polygraph/run_polygraph.py                 # 100 eval questions, 300 train
+    python experiments/polygraph/run_polygraph.py --head default  # use uhead_vllm/heads/default/
+
+1. Writes the evaluation CSV (reasoning-gym basic_arithmetic, easy config) with
+   ``tasks.write_polygraph_dataset`` where the Hydra config expects it.
+2. Head: ``--head DIR`` (or ``default``), else the shipped default head if present, else trains a
+   linear probe on training questions (disjoint seeds) through the same calculators polygraph_eval
+   runs; layer, pooling and C are picked by 5-fold CV on the training answers only.
+3. Runs lm-polygraph's own ``polygraph_eval`` (unmodified) with configs/polygraph/polygraph_eval_arith.yaml.
+4. Reads the metrics table and per-sample values from polygraph_eval's log (plain text; the
+   pickled manager file is never loaded) and writes results.md / results.json, adding ROC-AUC and
+   claim-level (per answer line) scores that polygraph_eval has no offline ground truth for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "polygraph" / "polygraph_eval_arith.yaml"
+CANDIDATE_LAYERS = (5, 10, 15, 20, 25, 30)
+
+# Before torch/vLLM start: one OpenMP thread. On a shared 2-core machine, 2-thread OpenMP barriers
+# wait for descheduled threads at every parallel region (measured: 16 tokens of one prompt took
+# 59 s with 2 threads under load, 1.2 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def compose_config(overrides: list[str]) -> Any:
+    """The run's Hydra config, composed the way polygraph_eval composes it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG.parent), version_base=None):
+        return compose(CONFIG.stem, overrides=overrides)
+
+
+# ---------------------------------------------------------------------------------- head
+
+
+def train_head(cfg: Any, n_train: int, task: str, eval_questions: list[str], out: Path) -> Path:
+    """Linear probe on whole-answer features of training questions; CV picks layer, pooling, C."""
+    import gc
+
+    import numpy as np
+    from sklearn.model_selection import StratifiedKFold
+
+    from uhead_vllm import tasks
+    from uhead_vllm.features import FeatureRecipe
+    from uhead_vllm.heads import LinearProbeHead
+    from uhead_vllm.metrics import roc_auc
+    from uhead_vllm.models import model_identity, resolve_model
+    from uhead_vllm.polygraph import UheadWhiteboxModelvLLM, load_capture_llm
+    from uhead_vllm.polygraph.training import collect_features
+
+    seen = set(eval_questions)
+    pool = tasks.load_questions(task, 3 * n_train, seed=100_000)
+    questions = [q for q in pool if q.question not in seen][:n_train]
+    args = {k: v for k, v in dict(cfg.model.load_model_args).items() if k not in ("head_path", "capture_layers", "check_dataset")}
+    t0 = time.time()
+    llm, sp = load_capture_llm(cfg.model.path, cfg.max_new_tokens, cfg.model.logprobs, capture_layers=CANDIDATE_LAYERS, **args)
+    adapter = UheadWhiteboxModelvLLM(llm, sp, instruct=cfg.model.instruct, **dict(cfg.model.adapter))
+    texts = [cfg.prompt.format(text=q.question) for q in questions]
+    col = collect_features(adapter, texts, FeatureRecipe(layers=list(CANDIDATE_LAYERS)), cfg.max_new_tokens, cfg.batch_size)
+    collect_s = time.time() - t0
+    identity = model_identity(resolve_model(cfg.model.path))
+    del adapter, llm
+    gc.collect()
+
+    y = np.array([0 if tasks.grade(q, a)[0] else 1 for q, a in zip(questions, col.texts)])
+    hidden = identity["hidden_size"]
+    def layer_feats(j: int) -> list:
+        return [f[:, j * hidden : (j + 1) * hidden] for f in col.sequence_features]
+
+    cv = []
+    folds = list(StratifiedKFold(5, shuffle=True, random_state=0).split(np.zeros(len(y)), y))
+    for j, layer in enumerate(CANDIDATE_LAYERS):
+        feats = layer_feats(j)
+        for pooling in ("mean", "mean_last"):
+            for c in (0.01, 0.1, 1.0):
+                scores = np.empty(len(y))
+                for tr, te in folds:
+                    head = LinearProbeHead(recipe=FeatureRecipe([layer], pooling), C=c).fit([feats[i] for i in tr], y[tr])
+                    scores[te] = head.predict_proba([feats[i] for i in te])
+                cv.append({"layer": layer, "pooling": pooling, "C": c, "cv_roc_auc": roc_auc(y, scores)})
+    best = max(cv, key=lambda r: r["cv_roc_auc"])
+    j = CANDIDATE_LAYERS.index(best["layer"])
+    head = LinearProbeHead(recipe=FeatureRecipe([best["layer"]], best["pooling"]), model_identity=identity, C=best["C"])
+    head.fit(layer_feats(j), y)
+    head.training_summary_.update(level="sequence", task=task, n_questions=len(questions), question_seed=100_000)
+    head_dir = head.save(out / "head")
+    (out / "head_training.json").write_text(json.dumps({
+        "task": task, "n_train": len(questions), "wrong_rate": float(y.mean()), "collect_seconds": round(collect_s, 1),
+        "chosen": best, "cv": cv, "example_answers": col.texts[:5],
+    }, indent=2) + "\n")
+    print(f"head: layer {best['layer']} {best['pooling']} C={best['C']} cv ROC-AUC {best['cv_roc_auc']:.3f} "
+          f"({len(questions)} answers, {y.mean():.0%} wrong, {collect_s:.0f} s)", flush=True)
+    return head_dir
+
+
+# ---------------------------------------------------------------------------------- log parsing
+
+_LINE = re.compile(r"\] - (\(.*?\)): (.*)$")
+_STAT = re.compile(r"\] - (greedy_texts): (\[.*\])$")
+_NP = re.compile(r"np\.float(?:16|32|64)\(([^()]*)\)")
+
+
+def _numbers(text: str) -> list[float]:
+    text = _NP.sub(r"\1", text).replace("nan", "NaN").replace("inf", "Infinity")
+    return [float(x) for x in json.loads(text)]
+
+
+def parse_log(path: Path) -> dict[str, Any]:
+    """Metrics table and per-sample values that polygraph_eval's Logger wrote (text only)."""
+    metrics: dict[tuple, float] = {}
+    values: dict[tuple, list[float]] = {}
+    texts: list[str] = []
+    in_metrics = False
+    for line in path.read_text().splitlines():
+        if " METRICS " in line:
+            in_metrics = True
+        if m := _STAT.search(line):
+            texts += ast.literal_eval(m.group(2))
+            continue
+        if not (m := _LINE.search(line)):
+            continue
+        key = ast.literal_eval(m.group(1))
+        if in_metrics and len(key) == 4:
+            metrics[key] = float(m.group(2))
+        elif not in_metrics and len(key) == 2:
+            values.setdefault(key, []).extend(_numbers(m.group(2)))
+    return {"metrics": metrics, "values": values, "greedy_texts": texts}
+
+
+# ---------------------------------------------------------------------------------- report
+
+METRIC_COLS = ("prr", "prr_normalized", "prr_0.5", "prr_0.5_normalized", "isotonic-pcc", "ece")
+
+
+def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str, seconds: float, head_dir: Path) -> dict:
+    import numpy as np
+
+    from uhead_vllm import tasks
+    from uhead_vllm.metrics import prr, roc_auc
+
+    values, metrics = parsed["values"], parsed["metrics"]
+    acc = np.array(values[("sequence", "Accuracy")])
+    if len(acc) != len(questions):
+        raise RuntimeError(f"log has {len(acc)} graded answers for {len(questions)} questions")
+    wrong = 1 - acc
+    rows = []
+    estimators = [k[1] for k in values if k[0] == "sequence" and k[1] != "Accuracy"]
+    for est in estimators:
+        u = np.array(values[("sequence", est)])
+        row = {"estimator": est, **{c: metrics.get(("sequence", est, "Accuracy", c)) for c in METRIC_COLS}}
+        row["roc_auc_wrong"] = roc_auc(wrong, u)
+        rows.append(row)
+
+    # Claim level: answer lines labelled by tasks.label_steps (arithmetic check / final answer).
+    claim_rows, n_claims = [], 0
+    texts = parsed["greedy_texts"]
+    if len(texts) == len(questions):
+        lines = [[s.strip() for s in t.split("\n") if s.strip()] for t in texts]
+        labels = [tasks.label_steps(ls, bool(a)) for ls, a in zip(lines, acc)]
+        flat = [l for ls in labels for l in ls]
+        for key in [k for k in values if k[0] == "claim"]:
+            u = values[key]
+            if len(u) != len(flat):
+                continue  # claims split differently from text lines; skip rather than misalign
+            keep = [i for i, l in enumerate(flat) if l is not None and np.isfinite(u[i])]
+            y = np.array([flat[i] for i in keep])
+            if 0 < y.sum() < len(y):
+                claim_rows.append({"estimator": key[1], "roc_auc_wrong": roc_auc(y, np.array(u)[keep]),
+                                   "prr": prr(y, np.array(u)[keep]), "n_claims": len(y), "wrong_rate": float(y.mean())})
+                n_claims = len(y)
+
+    result = {
+        "command": command, "seconds": round(seconds, 1), "n_questions": len(questions),
+        "accuracy": float(acc.mean()), "head": str(head_dir), "sequence": rows, "claim": claim_rows,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    md = [
+        "# polygraph_eval: uncertainty head vs baselines (SmolLM2-135M-Instruct, vLLM CPU)",
+        "",
+        f"{len(questions)} basic_arithmetic questions, greedy answers, accuracy {acc.mean():.1%}; "
+        f"head `{head_dir.relative_to(REPO) if head_dir.is_relative_to(REPO) else head_dir}`; "
+        f"polygraph_eval wall time {seconds:.0f} s.",
+        "",
+        "```", command, "```",
+        "",
+        "Sequence level, ground truth `Accuracy` (exact final number). Columns from polygraph_eval's "
+        "own metrics table; `ROC-AUC` (uncertainty vs wrong answer) computed from the per-sample values in its log.",
+        "",
+        "| estimator | PRR | PRR norm. | PRR@0.5 | PRR@0.5 norm. | isotonic PCC | ECE | ROC-AUC |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        md.append(f"| {r['estimator']} | " + " | ".join(fmt(r[c]) for c in METRIC_COLS) + f" | {fmt(r['roc_auc_wrong'])} |")
+    if claim_rows:
+        md += ["", f"Claim level (answer lines; {n_claims} checkable lines labelled by `tasks.label_steps`; "
+               "the head was trained on whole answers, not lines):", "",
+               "| estimator | ROC-AUC | PRR |", "|---|---|---|"]
+        md += [f"| {r['estimator']} | {fmt(r['roc_auc_wrong'])} | {fmt(r['prr'])} |" for r in claim_rows]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n-eval", type=int, default=100)
+    ap.add_argument("--n-train", type=int, default=300)
+    ap.add_argument("--task", default="basic_arithmetic")
+    ap.add_argument("--head", default=None, help="saved head dir or 'default' (default: shipped head, else train one)")
+    ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "polygraph")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for polygraph_eval")
+    a = ap.parse_args()
+
+    from uhead_vllm import tasks
+    from uhead_vllm.polygraph import default_head_dir
+
+    out = a.out.resolve()
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    questions = tasks.load_questions(a.task, a.n_eval, seed=0)
+    csv = out / "data" / f"{a.task}_eval.csv"
+    tasks.write_polygraph_dataset(csv, questions)
+    tasks.save_questions_jsonl(out / "data" / f"{a.task}_eval.jsonl", questions)
+
+    cfg = compose_config(list(a.overrides))
+    if a.head is not None:
+        head_dir = default_head_dir() if a.head == "default" else Path(a.head).resolve()
+    elif (default_head_dir() / "config.json").is_file():
+        head_dir = default_head_dir()
+    else:
+        head_dir = train_head(cfg, a.n_train, a.task, [q.question for q in questions], out)
+
+    run_dir = out / "run"
+    overrides = [f"uhead.head_path={head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}", *a.overrides]
+    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG))
+    cmd = [str(Path(sys.executable).parent / "polygraph_eval"), *overrides]
+    shown = "HYDRA_CONFIG=$PWD/configs/polygraph/polygraph_eval_arith.yaml polygraph_eval " + " ".join(
+        o.replace(str(REPO) + "/", "") for o in overrides)
+    print("running:", shown, flush=True)
+    t0 = time.time()
+    with open(out / "polygraph_eval.out", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.time() - t0
+    if proc.returncode != 0:
+        sys.exit(f"polygraph_eval failed ({proc.returncode}); see {out / 'polygraph_eval.out'}")
+    parsed = parse_log(run_dir / "polygraph_eval.log")
+    raw = [f"{k}: {v}" for k, v in parsed["metrics"].items()]
+    (out / "polygraph_eval_metrics.txt").write_text("\n".join(raw) + "\n")
+    report(parsed, questions, out, shown, seconds, head_dir)
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""lm-polygraph integration: fixed vLLM adapter, hidden-state stat calculators, head estimators.
+
+``polygraph_eval`` loads the builders in the top-level ``estimators`` package by name; the Hydra
+configs are in ``configs/polygraph/`` (see docs/polygraph.md).
+"""
+
+from .adapter import (
+    LM_POLYGRAPH_SYSTEM_PROMPT,
+    LogprobsMissingError,
+    UheadWhiteboxModelvLLM,
+    dense_vocab_size,
+    upgrade_whitebox,
+)
+from .calculators import UheadFeaturesCalculator, VllmHiddenStatesCalculator
+from .estimators import OutputLength, UHeadClaim, UHeadSequence
+from .head_io import HeadNotFoundError, default_head_dir, resolve_head_dir
+from .loading import DatasetColumnError, check_csv_dataset, load_capture_llm
+
+__all__ = [
+    "LM_POLYGRAPH_SYSTEM_PROMPT", "LogprobsMissingError", "UheadWhiteboxModelvLLM", "dense_vocab_size",
+    "upgrade_whitebox", "UheadFeaturesCalculator", "VllmHiddenStatesCalculator", "OutputLength",
+    "UHeadClaim", "UHeadSequence", "HeadNotFoundError", "default_head_dir", "resolve_head_dir",
+    "DatasetColumnError", "check_csv_dataset", "load_capture_llm",
+]
