@@ -159,7 +159,9 @@ class VllmHiddenStatesGenerator:
             text = self.tokenizer.apply_chat_template(
                 prompt, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking
             )
-            return text, text
+            # The template already holds any BOS; token ids keep vLLM from adding it twice.
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return {"prompt_token_ids": ids}, text
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
             if not ids:
