@@ -82,6 +82,15 @@ def test_prefix_caching_rules():
     assert engine_setting_problem({"MAMBA1"}, True, True)  # not verified: refused
 
 
+def test_unverified_parallel_and_speculative_combinations_are_refused():
+    assert "speculative" in engine_setting_problem({"MAMBA2"}, False, True, speculative="ngram")
+    assert "speculative" in engine_setting_problem(set(), False, True, layer_hooks=True, speculative="ngram")
+    assert "tensor_parallel_size=1" in engine_setting_problem({"GDN_ATTN"}, True, True, tp_size=2)
+    # plain decoders on the aux route: verified with ngram drafts and TP=2 (test_speculative_tp.py)
+    assert engine_setting_problem(set(), True, True, speculative="ngram", tp_size=2) is None
+    assert "not verified" in engine_setting_problem(set(), True, True, speculative="draft_model")
+
+
 # ------------------------------------------------------------------ parity per architecture
 @pytest.fixture(scope="module", params=list(CASES))
 def hybrid_engine(request):
@@ -151,4 +160,21 @@ def test_layer_hooks_in_compiled_mode_are_refused_clearly():
     path = build_hybrid_model("falcon_h1")
     with pytest.raises(Exception, match="enforce_eager=True"):
         build_llm(str(path), (0, 1), **make_vllm_kwargs(enforce_eager=False, enable_prefix_caching=False))
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_aux_route_hybrid_in_compiled_mode_matches_hf():
+    """NemotronH implements the aux interface, so it keeps compiled graphs (MAMBA2 mixer inside)."""
+    name = "nemotron_h"
+    path = build_hybrid_model(name)
+    n = num_layers(path)
+    layers = (0, n // 2, n)
+    llm = build_llm(str(path), layers, **make_vllm_kwargs(enforce_eager=False, enable_prefix_caching=False,
+                                                          max_num_batched_tokens=64))
+    gen = VllmHiddenStatesGenerator(llm, strict=True)
+    res = gen.generate([LONG, "3 * 4 = 12"], SamplingParams(max_tokens=8, temperature=0.8))
+    for per in res.hidden_states:
+        _check(path, name, per[0], layers, 1e-4)
+    del gen, llm
     gc.collect()

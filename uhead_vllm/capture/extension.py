@@ -58,8 +58,10 @@ def _install(runner: Any) -> None:
             "uhead_vllm capture cannot share aux hidden states with EAGLE-3 / extract_hidden_states "
             "speculative decoding; use the 'extract' backend or a model-free method such as ngram"
         )
-    problem = engine_setting_problem(vi.state_space_types(model), vi.prefix_caching_enabled(runner),
-                                     vi.running_on_cpu())
+    problem = engine_setting_problem(
+        vi.state_space_types(model), vi.prefix_caching_enabled(runner), vi.running_on_cpu(),
+        layer_hooks=not use_aux, tp_size=vi.tp_world_size(), speculative=vi.speculative_method(runner),
+    )
     if problem:
         raise NotImplementedError(f"uhead_vllm capture for {arch}: {problem}")
     if not use_aux and not vi.is_eager(runner):

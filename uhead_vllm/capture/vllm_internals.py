@@ -78,6 +78,12 @@ def tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def tp_world_size() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    return int(get_tensor_model_parallel_world_size())
+
+
 def pp_world_size() -> int:
     from vllm.distributed.parallel_state import get_pp_group
 
