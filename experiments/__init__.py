@@ -1,0 +1,1 @@
+"""Runnable studies (benchmarks, data collection, training, evaluation); not part of the package."""
