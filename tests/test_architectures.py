@@ -30,6 +30,7 @@ from uhead_vllm.capture.architectures import (
     stream_from_input,
     stream_from_output,
 )
+from uhead_vllm.capture.layer_hooks import install_layer_hooks
 from uhead_vllm.generation import VllmHiddenStatesGenerator, build_llm
 
 LONG = "12 + 7 = 19 and the cat sat on the mat. " * 6  # > 64 tokens: crosses blocks and chunks
@@ -89,6 +90,59 @@ def test_unverified_parallel_and_speculative_combinations_are_refused():
     # plain decoders on the aux route: verified with ngram drafts and TP=2 (test_speculative_tp.py)
     assert engine_setting_problem(set(), True, True, speculative="ngram", tp_size=2) is None
     assert "not verified" in engine_setting_problem(set(), True, True, speculative="draft_model")
+
+
+class _SumLayer(torch.nn.Module):
+    """Like a vLLM SUM layer: returns (delta, stream before the delta)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h)
+
+    def forward(self, hidden_states, residual=None):
+        stream = hidden_states if residual is None else hidden_states + residual
+        return self.lin(stream), stream
+
+
+class _ToyModel(torch.nn.Module):
+    def __init__(self, n: int = 3, h: int = 8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, h)
+        self.layers = torch.nn.ModuleList(_SumLayer(h) for _ in range(n))
+
+    def forward(self, input_ids, positions):
+        hidden, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden_states=hidden, residual=residual)
+        return hidden + residual
+
+
+def test_layer_hooks_hand_over_hf_indexed_streams_or_fail_cleanly():
+    torch.manual_seed(0)
+    model = _ToyModel()
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    expected = [model.embed(ids)]
+    for layer in model.layers:
+        expected.append(expected[-1] + layer.lin(expected[-1]))
+    got, failures, active = [], [], [True]
+    handles = install_layer_hooks(model, model.layers, StreamRule.SUM, (0, 1, 3), lambda kw: active[0],
+                                  lambda kw, streams: got.append(streams), failures.append)
+    with torch.no_grad():
+        model(input_ids=ids, positions=pos)
+        active[0] = False
+        model(input_ids=ids, positions=pos)  # untagged batch: nothing recorded
+    assert len(got) == 1 and not failures
+    for k, stream in zip((0, 1, 3), got[0]):
+        assert torch.allclose(stream, expected[k])
+    for h in handles:
+        h.remove()
+    # A table entry that does not fit the layer's output fails the forward's rows, not the engine.
+    active[0] = True
+    install_layer_hooks(model, model.layers, StreamRule.TENSOR, (2,), lambda kw: True,
+                        lambda kw, streams: got.append(streams), failures.append)
+    with torch.no_grad():
+        model(input_ids=ids, positions=pos)
+    assert len(got) == 1 and len(failures) == 1 and "stream rule 'tensor'" in failures[0]
 
 
 # ------------------------------------------------------------------ parity per architecture

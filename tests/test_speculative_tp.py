@@ -85,6 +85,7 @@ def test_tp2_one_rank_records_and_rows_match_hf(tiny_models, tmp_path):
     assert stats["prefix_cache_rows"] > 0 and stats["rows_from_store"] == stats["prefix_cache_rows"]
 
 
+@pytest.mark.slow  # three processes just to see a refusal (~2-3 min on a busy 2-core machine)
 @pytest.mark.multiproc
 def test_pp2_is_refused_clearly(tiny_models, tmp_path):
     f, log = _run_parallel(tiny_models["llama"], tmp_path, "pp")

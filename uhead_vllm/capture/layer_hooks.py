@@ -41,7 +41,8 @@ def install_layer_hooks(
 
     ``aux_layers`` are HF indices in 0..len(layers); ``streams`` follows their order.
     ``begin(kwargs)`` runs before the forward and says whether this forward is recorded;
-    ``fail(message)`` is called instead of ``finish`` when a hook did not fire (never partial rows).
+    ``fail(message)`` is called instead of ``finish`` when a hook did not fire or a layer's output
+    does not fit ``rule`` (never partial rows; the engine keeps serving).
     Returns the hook handles.
     """
     n = len(layers)
@@ -68,13 +69,22 @@ def install_layer_hooks(
         streams = [state.streams.pop(k) for k in aux_layers]
         finish(kwargs, streams)
 
+    def _keep(k: int, read: Callable[[], torch.Tensor]) -> None:
+        try:
+            # Copy now: later layers may update the tensors they are handed in place.
+            state.streams[k] = read().detach().clone()
+        except TypeError as exc:  # the table does not match this vLLM build: report, keep serving
+            state.active = False
+            state.streams = {}
+            fail(f"cannot read HF index {k} with stream rule {rule.value!r}: {exc}")
+
     handles.append(model.register_forward_pre_hook(on_model_pre, with_kwargs=True))
     handles.append(model.register_forward_hook(on_model_post, with_kwargs=True))
 
     if 0 in aux_layers:
         def on_first_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if state.active:
-                state.streams[0] = stream_from_input(rule, args, kwargs).detach().clone()
+                _keep(0, lambda: stream_from_input(rule, args, kwargs))
 
         handles.append(layers[0].register_forward_pre_hook(on_first_input, with_kwargs=True))
 
@@ -84,8 +94,7 @@ def install_layer_hooks(
 
         def on_output(module: torch.nn.Module, args: tuple, output: Any, k: int = k) -> None:
             if state.active:
-                # Copy now: later layers may update the tensors they are handed in place.
-                state.streams[k] = stream_from_output(rule, output).detach().clone()
+                _keep(k, lambda: stream_from_output(rule, output))
 
         handles.append(layers[k - 1].register_forward_hook(on_output))
     return handles
