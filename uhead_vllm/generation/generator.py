@@ -221,6 +221,12 @@ class VllmHiddenStatesGenerator:
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows)
         seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
         self._place(seqs, captured, owners)
+        if last:
+            # The final token is never forwarded in context during generation; a row at its
+            # position can only be a speculative draft's (possibly after a rejected token), so
+            # it is always computed afresh.
+            for q in seqs:
+                q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - (1 if last else 0)]).sum()) for q in seqs)
         stats.prefix_cache_rows = missing_before
         for q in seqs:
