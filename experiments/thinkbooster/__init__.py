@@ -1,0 +1,1 @@
+"""thinkbooster study: head-scored step strategies vs baselines (run_study.py)."""

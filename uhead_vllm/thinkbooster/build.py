@@ -1,0 +1,69 @@
+"""Assemble a capturing engine, a head and a :class:`UHeadVLLMModel` from paths and names."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..heads import UncertaintyHead, load_head
+from ..models import model_identity, resolve_model
+from .model import UHeadVLLMModel
+from .scorers import SCORERS, HeadScorer, StepScorer
+
+HEAD_DIR_ENV = "UHEAD_VLLM_HEAD_DIR"
+
+
+def default_head_dir() -> Path:
+    """``$UHEAD_VLLM_HEAD_DIR`` or the packaged default head of the embedded model."""
+    env = os.environ.get(HEAD_DIR_ENV)
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[1] / "heads" / "default"
+
+
+def load_step_head(head_dir: str | Path | None, model_path: str | Path) -> UncertaintyHead:
+    """Load a saved head and check it was trained for ``model_path`` (identity, feature size)."""
+    path = Path(head_dir) if head_dir is not None else default_head_dir()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no uncertainty head at {path} (config.json missing). Train one (experiments/) or pass "
+            f"head_dir=... / set ${HEAD_DIR_ENV}."
+        )
+    return load_head(path, expect_model_identity=model_identity(model_path))
+
+
+def make_scorer(name: str, head: UncertaintyHead | None = None, seed: int = 0) -> StepScorer:
+    """Scorer by name: ``head``, ``mean_token_entropy`` (alias ``entropy``), ``mean_nll``, ``random``."""
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; known: {sorted(SCORERS)}")
+    if name == "head":
+        if head is None:
+            raise ValueError("scorer 'head' needs a head")
+        return HeadScorer(head)
+    if name == "random":
+        return SCORERS[name](seed=seed)
+    return SCORERS[name]()
+
+
+def build_uhead_model(
+    model: str | Path | None = "default",
+    head_dir: str | Path | None = None,
+    scorer: str = "head",
+    *,
+    layers: list[int] | None = None,
+    llm_kwargs: dict[str, Any] | None = None,
+    generator_kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> UHeadVLLMModel:
+    """Engine capturing the head's layers (or ``layers``) + generator + model with ``scorer``.
+
+    ``model`` is a local HF folder or "default" (the embedded SmolLM2-135M-Instruct).
+    """
+    from ..generation import VllmHiddenStatesGenerator, build_llm
+
+    path = resolve_model(model)
+    head = load_step_head(head_dir, path) if (scorer == "head" or layers is None) else None
+    capture = list(layers) if layers is not None else list(head.recipe.layers)
+    llm = build_llm(str(path), capture, **(llm_kwargs or {}))
+    gen = VllmHiddenStatesGenerator(llm, **(generator_kwargs or {}))
+    return UHeadVLLMModel(gen, make_scorer(scorer, head, seed), **model_kwargs)
