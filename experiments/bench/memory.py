@@ -3,7 +3,7 @@
 Method: the parent starts ``python -m experiments.bench.memory SPEC OUT`` per configuration. The
 child builds the engine, warms it up, reads its RSS (``rss_ready``), then runs the workload once
 while a thread samples RSS every 5 ms, and keeps the results (outputs + hidden states) alive until
-the sample is taken, as a caller would. It reports the lifetime peak (``ru_maxrss``), the sampled
+the sample is taken, as a caller would. It reports the lifetime peak (VmHWM; ``ru_maxrss`` would inherit the parent's peak across exec), the sampled
 peak during the run, and ``run_delta`` = sampled peak - ``rss_ready``: the memory the workload
 itself added, which is where captured rows live. A fresh process per configuration keeps one
 configuration's freed-but-retained heap from hiding another's.
@@ -56,6 +56,13 @@ class RssSampler:
         self._thread.join()
 
 
+def _vm_hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child_main(spec: dict, out_path: Path) -> None:
     setup_env()
     from .engines import Config, Runner
@@ -82,7 +89,9 @@ def child_main(spec: dict, out_path: Path) -> None:
         "rss_ready_mb": ready / MB,
         "run_peak_rss_mb": sampler.peak / MB,
         "run_delta_mb": (sampler.peak - ready) / MB,
-        "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB,
+        # ru_maxrss survives exec, so in a child forked from a big parent it reports the parent's
+        # size; VmHWM belongs to the new address space and is the child's own lifetime peak.
+        "ru_maxrss_mb": _vm_hwm_bytes() / MB,
         "rows": result.rows,
         "hidden_bytes": result.hidden_bytes,
         "payload_bytes": result.payload_bytes,

@@ -13,10 +13,10 @@ FULL = Profile(
     model="embedded",
     model_dtype="bfloat16",  # the checkpoint's dtype; bf16 storage then loses nothing
     layers=(8, 16, 24, 30),
-    workload=Workload(num_prompts=16, n=4, max_tokens=32),
-    multistep=MultiStepWorkload(num_questions=6, candidates=4, steps=3, max_step_tokens=32),
+    workload=Workload(num_prompts=16, n=4, max_tokens=16),
+    multistep=MultiStepWorkload(num_questions=4, candidates=4, steps=3, max_step_tokens=24),
     modes=("compiled", "eager"),
-    reps=2,
+    reps=1,
     memory_subprocess=True,
     engine=dict(block_size=32, kv_cache_memory_bytes=1 << 30, max_model_len=1024,
                 max_num_seqs=128, seed=0, enable_prefix_caching=True),

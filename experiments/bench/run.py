@@ -69,16 +69,22 @@ def _memory_thread(profile, model: str, out_dir: Path, results: list, with_commo
     from .memory import measure
     from .profiles import memory_configs
 
+    def one(cfg) -> None:
+        spec = {"config": dataclasses.asdict(cfg), "model": model, "model_dtype": profile.model_dtype,
+                "layers": list(profile.layers), "engine": profile.engine,
+                "workload": profile.workload.to_dict()}
+        try:
+            results.append(measure(spec, out_dir / f"rss-{cfg.name}.json", timeout=1200))
+        except Exception as exc:  # a failed child is reported as such, never as a number
+            results.append({"config": cfg.name, "error": repr(exc)})
+        _log(f"peak RSS measured: {cfg.name}")
+
     def work() -> None:
-        for cfg in memory_configs(with_common):
-            spec = {"config": dataclasses.asdict(cfg), "model": model, "model_dtype": profile.model_dtype,
-                    "layers": list(profile.layers), "engine": profile.engine,
-                    "workload": profile.workload.to_dict()}
-            try:
-                results.append(measure(spec, out_dir / f"rss-{cfg.name}.json", timeout=900))
-            except Exception as exc:  # a failed child is reported as such, never as a number
-                results.append({"config": cfg.name, "error": repr(exc)})
-            _log(f"peak RSS measured: {cfg.name}")
+        # Children run side by side: RSS does not depend on CPU share, and nothing here is timed.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(one, memory_configs(with_common)))
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
@@ -150,11 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     mem_thread = None
     tmp = Path(tempfile.mkdtemp(prefix="uhead-bench-rss-"))
     if profile.memory_subprocess:
-        # Free the timed engines first so the children's RSS is not squeezed by ours.
-        keep = "ours-eager-float32"
-        for name in list(runners):
-            if name != keep:
-                runners.pop(name).close()
+        # Engines stay alive until the end: shutting one in-process engine down tears down the
+        # process-wide parallel state the others still use. Each child has its own process.
         mem_thread = _memory_thread(profile, model, tmp, rss, args.memory_common)
     _log("multi-step online best-of-n")
     ms_runner = runners.get("ours-eager-float32") or next(r for n, r in runners.items() if n.startswith("ours-"))
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     memory = {
         "bytes_per_token": bytes_per_token(runs, num_layers, identity["hidden_size"]),
         "method": (
-            "one fresh child process per configuration (eager, same workload): RSS sampled every 5 ms "
+            "one fresh child process per configuration (eager, same workload; children run side by "
+            "side, after the timed phase): RSS sampled every 5 ms "
             "during one pass with the results kept alive; run delta = sampled peak - RSS after "
             "engine build and warm-up; ru_maxrss = lifetime peak of the child"
             if profile.memory_subprocess else "not measured (quick profile or --no-memory)"),
