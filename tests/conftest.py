@@ -7,7 +7,6 @@ reads most of them once when it is first imported.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,19 +20,10 @@ CACHE_ROOT = REPO_ROOT / ".cache"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-for _key, _value in {
-    # Engine core and worker in this process: ≈2-3 s per engine instead of spawning processes.
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # Compile caches (CPU sampling/logprob kernels, inductor) survive between runs in the repo.
-    "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-    "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-    # Nothing may come from a hub: fail fast instead of waiting on the network.
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
+
+# In-process engines, quiet logs, compile caches in <repo>/.cache, no hub access.
+set_env_defaults()
 
 from uhead_vllm.models import TINY_MODEL_VERSION, build_tiny_model, embedded_model_path  # noqa: E402
 

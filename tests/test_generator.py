@@ -6,7 +6,6 @@ Each check compares the returned rows with Hugging Face's forward on the exact t
 from __future__ import annotations
 
 import gc
-import random
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 
 from conftest import make_vllm_kwargs
-from reference import assert_rows_match, hf_rows
+from reference import assert_rows_match
 from uhead_vllm.generation import MissingRowsError, VllmHiddenStatesGenerator, build_llm
 
 LAYERS = (0, 2, 4)  # tiny llama has 4 decoder layers: embeddings, middle, last (pre-norm)

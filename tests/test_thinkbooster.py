@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from vllm import SamplingParams
 
 from conftest import make_vllm_kwargs

@@ -8,24 +8,14 @@ the study subcommands (collect, train, evaluate, study, answer) come from ``uhea
 from __future__ import annotations
 
 import argparse
-import os
+import warnings
 import sys
 from typing import Sequence
 
-BUILTIN_QUESTIONS = [
-    "What is 7 + 8?",
-    "What is 45 + 38?",
-    "What is 6 * 7?",
-    "What is 91 - 17?",
-]
+from .models import ModelNotAvailableError
+from .runtime import set_env_defaults
+from .tasks import EXAMPLE_QUESTIONS
 
-
-def _quiet_cpu_defaults() -> None:
-    """Fast, quiet in-process vLLM on CPU unless the caller configured otherwise."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +37,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    _quiet_cpu_defaults()
+    set_env_defaults()
     from vllm import SamplingParams
 
     from .generation import VllmHiddenStatesGenerator, build_llm
@@ -59,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = build_llm(str(path), layers, dtype="float32", enforce_eager=not args.compiled,
                     kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=2048, seed=args.seed)
     gen = VllmHiddenStatesGenerator(llm, progress=True)
-    questions = args.question or BUILTIN_QUESTIONS
+    questions = args.question or EXAMPLE_QUESTIONS
     chats = [[{"role": "user", "content": q}] for q in questions]
     res = gen.generate(chats, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     for q, per in zip(questions, res.hidden_states):
@@ -89,18 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
-    try:
-        from .study.commands import register
-    except ImportError:  # study package not installed in this checkout
-        register = None
-    if register is not None:
-        register(sub)
+    from .study.commands import register
+
+    register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # vLLM's import-time deprecation noise says nothing to a user of this CLI.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, ModelNotAvailableError) as exc:
+        # Bad input (unknown layer, head for another model, empty question, missing files): one
+        # readable line instead of a traceback.
+        print(f"uhead-vllm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

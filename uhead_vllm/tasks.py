@@ -63,6 +63,14 @@ class TaskSpec:
     description: str = ""
 
 
+#: Questions the CLI's main jobs answer when given none.
+EXAMPLE_QUESTIONS: list[str] = [
+    "What is 7 + 8?",
+    "What is 45 + 38?",
+    "What is 6 * 7?",
+    "Calculate 91 - 17 + 5.",
+]
+
 # Keys of `config` are the field names of reasoning-gym's config dataclasses
 # (BasicArithmeticDatasetConfig, ChainSumConfig, GSMSymbolicDatasetConfig).
 TASKS: dict[str, TaskSpec] = {

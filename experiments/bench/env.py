@@ -13,19 +13,11 @@ CACHE_ROOT = REPO_ROOT / ".cache"
 def setup_env() -> None:
     """In-process engine (several engines run one after another in this process), quiet logs,
     project-local compile caches shared with the tests, and no hub access."""
-    defaults = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
+    from uhead_vllm.runtime import set_env_defaults
+
+    set_env_defaults()
 
 
 def in_process_engine() -> bool:

@@ -34,11 +34,9 @@ CANDIDATE_LAYERS = (5, 10, 15, 20, 25, 30)
 # Before torch/vLLM start: one OpenMP thread. On a shared 2-core machine, 2-thread OpenMP barriers
 # wait for descheduled threads at every parallel region (measured: 16 tokens of one prompt took
 # 59 s with 2 threads under load, 1.2 s with 1).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
+
+set_env_defaults(OMP_NUM_THREADS="1")
 
 
 def compose_config(overrides: list[str]) -> Any:

@@ -16,23 +16,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-for _k, _v in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine and worker in this process
-    "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"),
-    "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".cache" / "inductor"),
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    # Sleeping (not spinning) OpenMP workers: on a shared or oversubscribed CPU, spinning threads
-    # slowed vLLM ~9x here (10 vs 88 tok/s measured with other jobs running).
-    "OMP_WAIT_POLICY": "PASSIVE",
-}.items():
-    os.environ.setdefault(_k, _v)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
 
-import json  # noqa: E402
+# Sleeping (not spinning) OpenMP workers: on a shared or oversubscribed CPU, spinning threads
+# slowed vLLM ~9x here (10 vs 88 tok/s measured with other jobs running).
+set_env_defaults(OMP_WAIT_POLICY="PASSIVE")
+
 import logging  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402

@@ -1,13 +1,24 @@
-"""Load any saved head by the type recorded in its ``config.json``."""
+"""Load any saved head by the type recorded in its ``config.json``; where the default head lives."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 from . import attention as _attention  # noqa: F401  (registers AttentionPoolingHead)
 from . import linear as _linear  # noqa: F401  (registers LinearProbeHead)
 from .base import UncertaintyHead
+
+#: Environment variable that points every "default head" lookup at another head directory.
+HEAD_DIR_ENV = "UHEAD_VLLM_HEAD_DIR"
+
+
+def default_head_dir() -> Path:
+    """``$UHEAD_VLLM_HEAD_DIR`` or ``uhead_vllm/heads/default/``: the head shipped for the embedded
+    model, produced by ``uhead-vllm study`` (recipe in its ``RECIPE.md``)."""
+    env = os.environ.get(HEAD_DIR_ENV)
+    return Path(env).expanduser() if env else Path(__file__).resolve().parent / "default"
 
 
 def load_head(
@@ -17,3 +28,17 @@ def load_head(
 ) -> UncertaintyHead:
     """Load the head saved in ``directory`` whatever its type, with the same checks as ``load``."""
     return UncertaintyHead.load(directory, expect_model_identity, expect_layers)
+
+
+def load_head_for_model(head_dir: str | Path | None, model_path: str | Path) -> UncertaintyHead:
+    """Load the head in ``head_dir`` (None: :func:`default_head_dir`) and check it was trained on
+    the model in ``model_path`` (:class:`HeadMismatchError` if not)."""
+    from ..models import model_identity
+
+    path = Path(head_dir).expanduser() if head_dir is not None else default_head_dir()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no uncertainty head at {path} (config.json missing): train one with `uhead-vllm train` "
+            f"(or `uhead-vllm study`), or point head_dir / ${HEAD_DIR_ENV} at a saved head"
+        )
+    return load_head(path, expect_model_identity=model_identity(model_path))

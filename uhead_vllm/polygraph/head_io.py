@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..features import FeatureRecipe
-from ..heads import HeadConfig, HeadMismatchError, UncertaintyHead, load_head
+from ..heads import HeadConfig, HeadMismatchError, UncertaintyHead, default_head_dir, load_head
 from ..heads.base import CONFIG_FILE, WEIGHTS_FILE, check_compatible
 from .adapter import model_folder
 
@@ -19,13 +19,6 @@ DEFAULT_HEAD_ALIAS = "default"
 
 class HeadNotFoundError(FileNotFoundError):
     """The configured head directory (or one of its files) does not exist."""
-
-
-def default_head_dir() -> Path:
-    """``uhead_vllm/heads/default/``: the head shipped for the embedded model."""
-    from .. import heads
-
-    return Path(heads.__file__).resolve().parent / "default"
 
 
 def resolve_head_dir(head_path: str | Path | None) -> Path:

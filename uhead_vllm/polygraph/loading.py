@@ -8,10 +8,10 @@ so this is the first place a misconfigured run can be stopped with a readable er
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..runtime import set_env_defaults
 from .head_io import read_head_config
 
 
@@ -82,7 +82,7 @@ def load_capture_llm(
     if check_dataset:
         check_csv_dataset(check_dataset["path"], check_dataset["text_column"], check_dataset.get("label_column"))
     layers = capture_layers_for(head_path, capture_layers)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: fast load on CPU
+    set_env_defaults()  # in-process engine: fast load on CPU
     from vllm import SamplingParams
 
     from ..generation import build_llm

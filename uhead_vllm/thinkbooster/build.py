@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from ..heads import UncertaintyHead, load_head
-from ..models import model_identity, resolve_model
+from ..heads import UncertaintyHead, default_head_dir  # noqa: F401  (re-exported)
+from ..heads import load_head_for_model as load_step_head
+from ..models import resolve_model
 from .model import UHeadVLLMModel
 from .scorers import SCORERS, HeadScorer, StepScorer
-
-HEAD_DIR_ENV = "UHEAD_VLLM_HEAD_DIR"
-
-
-def default_head_dir() -> Path:
-    """``$UHEAD_VLLM_HEAD_DIR`` or the packaged default head of the embedded model."""
-    env = os.environ.get(HEAD_DIR_ENV)
-    return Path(env).expanduser() if env else Path(__file__).resolve().parents[1] / "heads" / "default"
-
-
-def load_step_head(head_dir: str | Path | None, model_path: str | Path) -> UncertaintyHead:
-    """Load a saved head and check it was trained for ``model_path`` (identity, feature size)."""
-    path = Path(head_dir) if head_dir is not None else default_head_dir()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no uncertainty head at {path} (config.json missing). Train one (experiments/) or pass "
-            f"head_dir=... / set ${HEAD_DIR_ENV}."
-        )
-    return load_head(path, expect_model_identity=model_identity(model_path))
 
 
 def make_scorer(name: str, head: UncertaintyHead | None = None, seed: int = 0) -> StepScorer:

@@ -1,0 +1,6 @@
+"""``python -m uhead_vllm.study {collect,train,evaluate,study,answer} ...``"""
+
+from .commands import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The main job: questions in, answers out, each with per-step and per-answer uncertainty from a head."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..features import StepSpan, split_steps
+from ..heads import UncertaintyHead
+from .collect import GenerationRecipe, logprob_arrays
+from .data import AnswerArrays
+from .evaluate import answer_scores
+from .examples import Examples, span_features
+from .train import study_settings
+
+@dataclass
+class ScoredStep:
+    """One step of an answer; ``uncertainty`` = the head's P(step is wrong), None if the step has
+    no hidden row (a step made only of the final sampled token)."""
+
+    text: str
+    start: int
+    end: int
+    uncertainty: float | None
+
+
+@dataclass
+class ScoredAnswer:
+    question: str
+    text: str
+    extracted: str | None
+    uncertainty: float  # P(answer is wrong)
+    steps: list[ScoredStep] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer: Any, recipe: GenerationRecipe,
+                     question: str) -> ScoredAnswer:
+    """Score one vLLM output (with logprobs) and its captured rows."""
+    from .. import tasks
+
+    ids = list(output.token_ids)
+    token_lp, topk = logprob_arrays(output, recipe.logprobs)
+    arrays = AnswerArrays(sample.generated_rows(), torch.tensor(ids, dtype=torch.int64), token_lp, topk)
+    layers = list(sample.layers)
+    spans = split_steps(ids, tokenizer, mode=recipe.split_mode) if ids else []
+    steps = Examples("step")
+    scored = []
+    for s in spans:
+        feats = span_features(arrays, s, head.recipe, layers)
+        scored.append(ScoredStep(tokenizer.decode(ids[s.start : s.end], skip_special_tokens=True), s.start, s.end, None))
+        if feats is not None:
+            steps.features.append(feats)
+            steps.answer_ids.append("a")
+            scored[-1].uncertainty = -1.0  # placeholder, filled below
+    if steps.features:
+        probs = iter(head.predict_proba(steps.features))
+        for st in scored:
+            if st.uncertainty is not None:
+                st.uncertainty = float(next(probs))
+    whole = span_features(arrays, StepSpan(0, len(ids)), head.recipe, layers) if ids else None
+    if whole is None:
+        raise ValueError(f"the answer to {question!r} has no hidden rows to score ({len(ids)} token(s))")
+    answers = Examples("answer", [whole], [-1], ["a"], [""])
+    rule = study_settings(head)["answer_scoring"]
+    p_answer = float(answer_scores(head, answers, steps, rule)[0])
+    return ScoredAnswer(question, output.text, tasks.extract_answer(output.text), p_answer, scored,
+                        output.finish_reason)
+
+
+def check_questions(questions: Sequence[str]) -> None:
+    """Fail before any engine is built: at least one question, none empty."""
+    if not questions or any(not q.strip() for q in questions):
+        raise ValueError("give at least one non-empty question")
+
+
+def answer_questions(questions: Sequence[str], generator: Any, head: UncertaintyHead,
+                     max_tokens: int | None = None) -> list[ScoredAnswer]:
+    """Generate answers with the head's own prompt recipe and score them."""
+    check_questions(questions)
+    settings = dict(study_settings(head)["generation"])
+    if max_tokens is not None:
+        settings["max_tokens"] = int(max_tokens)
+    recipe = GenerationRecipe(**settings)
+    missing = [k for k in head.recipe.layers if k not in generator.layers]
+    if missing:
+        raise ValueError(f"the engine captures layers {list(generator.layers)}; the head needs {missing}")
+    res = generator.generate([recipe.chat(q) for q in questions], recipe.sampling_params())
+    return [score_generation(head, ro.outputs[0], samples[0], generator.tokenizer, recipe, q)
+            for q, ro, samples in zip(questions, res.outputs, res.hidden_states)]
+
+
+def format_table(answers: Sequence[ScoredAnswer], threshold: float = 0.5) -> str:
+    """Readable report: per answer its P(wrong), then each step with its P(wrong)."""
+    lines = []
+    for i, a in enumerate(answers, 1):
+        flag = "LIKELY WRONG" if a.uncertainty >= threshold else "likely right"
+        lines.append(f"[{i}] {a.question.strip()}")
+        lines.append(f"    answer: {a.extracted if a.extracted is not None else '(no number)'}   "
+                     f"P(wrong) = {a.uncertainty:.3f}  ({flag})")
+        lines.append("    step  P(wrong)  text")
+        for k, s in enumerate(a.steps, 1):
+            p = "   –   " if s.uncertainty is None else f"{s.uncertainty:7.3f}"
+            text = " ".join(s.text.split())
+            lines.append(f"    {k:>4}  {p}   {text[:100]}{'…' if len(text) > 100 else ''}")
+        lines.append("")
+    return "\n".join(lines)

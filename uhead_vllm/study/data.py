@@ -1,0 +1,257 @@
+"""On-disk study dataset: generated answers with their labels, hidden rows and logprobs.
+
+Layout of a dataset directory (everything safe to load: JSON and safetensors, never pickle)::
+
+    manifest.json          model identity, layers, recipe, tasks/seeds, counts, file list
+    answers.jsonl          one JSON object per answer (text, grade, steps + labels, baselines)
+    shard-00000.safetensors ...
+
+A shard holds, per answer ``i`` of that shard, the tensors ``"{i}.hidden"`` (``[rows, L, H]``
+bf16: the captured rows of the *generated* tokens only, row ``r`` = state after reading generated
+token ``r``; the last sampled token has no row), ``"{i}.token_ids"`` (int64 ``[T]``),
+``"{i}.token_logprobs"`` (float32 ``[T]``, logprob of each sampled token) and
+``"{i}.topk_logprobs"`` (float32 ``[T, k]``, best first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "uhead_vllm.study.dataset"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+ANSWERS_FILE = "answers.jsonl"
+TENSOR_KEYS = ("hidden", "token_ids", "token_logprobs", "topk_logprobs")
+
+
+class DatasetError(ValueError):
+    """A dataset directory is missing, incomplete or not in the expected format."""
+
+
+@dataclass
+class StepRecordJson:
+    """One step of an answer: token span relative to the first generated token, text, label."""
+
+    start: int
+    end: int
+    text: str
+    label: int | None  # 1 wrong, 0 right, None uncheckable
+
+
+@dataclass
+class AnswerRecord:
+    """Everything about one generated answer except its tensors."""
+
+    index: int
+    qid: str
+    task: str
+    question: str
+    reference: str
+    text: str
+    extracted: str | None
+    correct: bool
+    score: float
+    finish_reason: str | None
+    n_tokens: int
+    n_rows: int
+    prompt_tokens: int
+    shard: str
+    steps: list[StepRecordJson]
+    baselines: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wrong(self) -> int:
+        return int(not self.correct)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AnswerRecord":
+        d = dict(d)
+        d["steps"] = [StepRecordJson(**s) for s in d["steps"]]
+        return cls(**d)
+
+
+@dataclass
+class AnswerArrays:
+    """The tensors of one answer (see module docstring)."""
+
+    hidden: torch.Tensor
+    token_ids: torch.Tensor
+    token_logprobs: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+class DatasetWriter:
+    """Writes a dataset into ``<out>.partial`` and renames it to ``out`` on :meth:`close`, so an
+    interrupted run never leaves a directory that looks complete."""
+
+    def __init__(self, out_dir: str | Path, shard_size: int = 256, overwrite: bool = False):
+        self.out = Path(out_dir)
+        if self.out.exists() and not overwrite:
+            raise FileExistsError(f"{self.out} exists; pass overwrite=True (--overwrite) to replace it")
+        if shard_size < 1:
+            raise ValueError("shard_size must be >= 1")
+        self.tmp = self.out.with_name(self.out.name + ".partial")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.shard_size = shard_size
+        self.records: list[AnswerRecord] = []
+        self._pending: dict[str, torch.Tensor] = {}
+        self._in_shard = 0
+        self._shard = 0
+        self._files: dict[str, int] = {}
+
+    @property
+    def current_shard(self) -> str:
+        return _shard_name(self._shard)
+
+    def add(self, record: AnswerRecord, arrays: AnswerArrays) -> None:
+        """Queue one answer; ``record.index`` and ``record.shard`` are assigned here."""
+        t = arrays.token_ids.shape[0]
+        if arrays.token_logprobs.shape != (t,) or arrays.topk_logprobs.dim() != 2 or arrays.topk_logprobs.shape[0] != t:
+            raise ValueError("token_logprobs must be [T] and topk_logprobs [T, k] for T generated tokens")
+        if arrays.hidden.dim() != 3 or arrays.hidden.shape[0] != record.n_rows:
+            raise ValueError(f"hidden must be [n_rows={record.n_rows}, L, H], got {tuple(arrays.hidden.shape)}")
+        record.index = len(self.records)
+        record.shard = self.current_shard
+        key = str(self._in_shard)
+        self._pending[f"{key}.hidden"] = arrays.hidden.contiguous()
+        self._pending[f"{key}.token_ids"] = arrays.token_ids.to(torch.int64).contiguous()
+        self._pending[f"{key}.token_logprobs"] = arrays.token_logprobs.to(torch.float32).contiguous()
+        self._pending[f"{key}.topk_logprobs"] = arrays.topk_logprobs.to(torch.float32).contiguous()
+        record.extra["shard_key"] = key
+        self.records.append(record)
+        self._in_shard += 1
+        if self._in_shard >= self.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.tmp / self.current_shard
+        save_file(self._pending, str(path), metadata={"format": FORMAT, "answers": str(self._in_shard)})
+        self._files[path.name] = path.stat().st_size
+        self._pending, self._in_shard = {}, 0
+        self._shard += 1
+
+    def close(self, manifest: dict[str, Any]) -> Path:
+        """Write the last shard, ``answers.jsonl`` and ``manifest.json``; move into place."""
+        self._flush()
+        with open(self.tmp / ANSWERS_FILE, "w", encoding="utf-8") as f:
+            for r in self.records:
+                f.write(r.to_json() + "\n")
+        self._files[ANSWERS_FILE] = (self.tmp / ANSWERS_FILE).stat().st_size
+        full = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **manifest,
+            "counts": counts(self.records),
+            "files": dict(sorted(self._files.items())),
+        }
+        (self.tmp / MANIFEST_FILE).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+        return self.out
+
+
+def counts(records: list[AnswerRecord]) -> dict[str, Any]:
+    """Answer and step label counts, overall and per task."""
+
+    def one(rs: list[AnswerRecord]) -> dict[str, int]:
+        steps = [s for r in rs for s in r.steps]
+        return {
+            "answers": len(rs),
+            "correct": sum(r.correct for r in rs),
+            "wrong": sum(not r.correct for r in rs),
+            "truncated": sum(r.finish_reason == "length" for r in rs),
+            "tokens": sum(r.n_tokens for r in rs),
+            "steps": len(steps),
+            "steps_right": sum(s.label == 0 for s in steps),
+            "steps_wrong": sum(s.label == 1 for s in steps),
+            "steps_unlabelled": sum(s.label is None for s in steps),
+        }
+
+    tasks = sorted({r.task for r in records})
+    return {"total": one(records), "per_task": {t: one([r for r in records if r.task == t]) for t in tasks}}
+
+
+class StudyDataset:
+    """Read-only view of a dataset directory; tensors are read lazily, shard by shard."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            hint = " (an interrupted collect left a .partial folder)" if self.path.with_name(self.path.name + ".partial").exists() else ""
+            raise DatasetError(f"dataset directory {self.path} does not exist{hint}; run `collect` first")
+        mpath = self.path / MANIFEST_FILE
+        if not mpath.is_file():
+            raise DatasetError(f"{self.path} has no {MANIFEST_FILE}: not a study dataset (or incomplete)")
+        self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise DatasetError(f"{mpath}: format is {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        if int(self.manifest.get("format_version", 0)) > FORMAT_VERSION:
+            raise DatasetError(f"{mpath}: format_version {self.manifest['format_version']} is newer than {FORMAT_VERSION}")
+        for name, size in self.manifest.get("files", {}).items():
+            f = self.path / name
+            if not f.is_file() or f.stat().st_size != size:
+                raise DatasetError(f"{f} is missing or has the wrong size (manifest says {size} bytes)")
+        with open(self.path / ANSWERS_FILE, encoding="utf-8") as fh:
+            self.answers = [AnswerRecord.from_dict(json.loads(line)) for line in fh if line.strip()]
+        if len(self.answers) != self.manifest["counts"]["total"]["answers"]:
+            raise DatasetError(f"{self.path}: answers.jsonl has {len(self.answers)} answers, manifest says "
+                               f"{self.manifest['counts']['total']['answers']}")
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest["layers"])
+
+    @property
+    def model_identity(self) -> dict[str, Any]:
+        return dict(self.manifest["model_identity"])
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def arrays(self, index: int) -> AnswerArrays:
+        """Tensors of answer ``index`` (opens its shard)."""
+        rec = self.answers[index]
+        with safe_open(str(self.path / rec.shard), framework="pt") as f:
+            return self._read(f, rec)
+
+    @staticmethod
+    def _read(f: Any, rec: AnswerRecord) -> AnswerArrays:
+        key = rec.extra["shard_key"]
+        return AnswerArrays(*(f.get_tensor(f"{key}.{name}") for name in TENSOR_KEYS))
+
+    def iter_arrays(self) -> Iterator[tuple[AnswerRecord, AnswerArrays]]:
+        """All answers in order, each shard opened once."""
+        by_shard: dict[str, list[AnswerRecord]] = {}
+        for r in self.answers:
+            by_shard.setdefault(r.shard, []).append(r)
+        for shard, recs in by_shard.items():
+            with safe_open(str(self.path / shard), framework="pt") as f:
+                for r in recs:
+                    yield r, self._read(f, r)
