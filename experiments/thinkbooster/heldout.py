@@ -42,7 +42,7 @@ def training_questions(head: Any) -> tuple[set[str], list[str]]:
 
     texts: set[str] = set()
     for spec in specs:
-        plan = TaskPlan.parse(spec) if isinstance(spec, str) else TaskPlan(**spec)
+        plan = TaskPlan.parse(spec) if isinstance(spec, str) else TaskPlan(spec["task"], spec["n"], spec["seed"])
         texts |= {q.question for q in select_questions(plan)}
     return texts, [str(s) for s in specs]
 
