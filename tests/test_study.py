@@ -134,6 +134,28 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     assert "P(wrong)" in capsys.readouterr().out
 
 
+def test_collect_several_sampled_answers_per_question(tiny, dataset, tmp_path):
+    """samples=n keeps every sample (own rows, own grade); such a set trains next to a greedy one."""
+    model, gen, calls = tiny
+    calls.clear()
+    out = commands.collect(tmp_path / "sampled", ["basic_arithmetic:3:0"], model=str(model), layers=LAYERS,
+                           max_tokens=6, temperature=1.0, samples=3, seed=5, progress=False, generator=gen)
+    ds = StudyDataset(out)
+    generated = [s for res in calls for per_prompt in res.hidden_states for s in per_prompt]
+    assert len(ds) == len(generated) == 9 and ds.manifest["recipe"]["samples"] == 3
+    assert len({a.question for a in ds.answers}) == 3
+    for (rec, arrays), sample in zip(ds.iter_arrays(), generated):
+        assert arrays.token_ids.tolist() == sample.output_token_ids
+        assert torch.equal(arrays.hidden, sample.generated_rows())
+    assert len({tuple(s.output_token_ids) for s in generated}) > 3  # the samples differ
+    from uhead_vllm.study.train import open_datasets
+
+    assert len(open_datasets([dataset[0], out])) == 2  # temperature / samples may differ between sets
+    with pytest.raises(ValueError, match="temperature > 0"):
+        commands.collect(tmp_path / "bad", ["basic_arithmetic:1:0"], model=str(model), layers=LAYERS, samples=2,
+                         progress=False, generator=gen)
+
+
 def test_clear_errors(tiny, tmp_path):
     model, gen, _ = tiny
     with pytest.raises(DatasetError, match="does not exist"):

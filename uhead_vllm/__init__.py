@@ -20,7 +20,14 @@ from .generation import (
     build_llm,
     capture_engine_kwargs,
 )
-from .heads import AttentionPoolingHead, HeadMismatchError, LinearProbeHead, load_head
+from .heads import (
+    AttentionPoolingHead,
+    HeadMismatchError,
+    LinearProbeHead,
+    default_head_dir,
+    load_head,
+    load_head_for_model,
+)
 from .models import embedded_model_path, model_identity, resolve_model
 
 __version__ = "0.1.0"
@@ -30,6 +37,7 @@ __all__ = [
     "step_token_features", "CaptureError", "CaptureNotInstalledError", "GenerationStats",
     "HiddenStatesGeneration", "MissingRowsError", "PrefixRowStore", "SampleHiddenStates", "StepCache",
     "StepRecord", "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs",
-    "AttentionPoolingHead", "HeadMismatchError", "LinearProbeHead", "load_head", "embedded_model_path",
+    "AttentionPoolingHead", "HeadMismatchError", "LinearProbeHead", "default_head_dir", "load_head",
+    "load_head_for_model", "embedded_model_path",
     "model_identity", "resolve_model",
 ]

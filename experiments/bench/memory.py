@@ -91,7 +91,7 @@ def child_main(spec: dict, out_path: Path) -> None:
         "run_delta_mb": (sampler.peak - ready) / MB,
         # ru_maxrss survives exec, so in a child forked from a big parent it reports the parent's
         # size; VmHWM belongs to the new address space and is the child's own lifetime peak.
-        "ru_maxrss_mb": _vm_hwm_bytes() / MB,
+        "vm_hwm_mb": _vm_hwm_bytes() / MB,
         "rows": result.rows,
         "hidden_bytes": result.hidden_bytes,
         "payload_bytes": result.payload_bytes,

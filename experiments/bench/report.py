@@ -170,14 +170,14 @@ def markdown(result: dict) -> str:
                      f"{f'{rpc:.0f}' if rpc else '-'} | {f'{ret:.0f}' if ret else '-'} |")
     if mem.get("peak_rss"):
         lines += ["", f"Peak RSS ({mem['method']})", "",
-                  "| config (eager) | RSS ready MiB | run peak MiB | run delta MiB | ru_maxrss MiB | "
+                  "| config (eager) | RSS ready MiB | run peak MiB | run delta MiB | lifetime peak (VmHWM) MiB | "
                   "rows returned |", "|---|---:|---:|---:|---:|---:|"]
         for e in mem["peak_rss"]:
             if "error" in e:
                 lines.append(f"| {e['config']} | error: {e['error'][:80]} | | | | |")
                 continue
             lines.append(f"| {e['config']} | {e['rss_ready_mb']:.0f} | {e['run_peak_rss_mb']:.0f} | "
-                         f"{e['run_delta_mb']:.0f} | {e['ru_maxrss_mb']:.0f} | {e['rows'] or '-'} |")
+                         f"{e['run_delta_mb']:.0f} | {e['vm_hwm_mb']:.0f} | {e['rows'] or '-'} |")
     else:
         lines += ["", f"Peak RSS: {mem['method']}"]
     ms = result.get("multistep")

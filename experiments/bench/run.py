@@ -20,7 +20,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -65,11 +64,18 @@ def _profile(args: argparse.Namespace):
     return dataclasses.replace(p, **changes) if changes else p
 
 
-def _memory_thread(profile, model: str, out_dir: Path, results: list, with_common: bool) -> threading.Thread:
+def _measure_memory(profile, model: str, out_dir: Path, with_common: bool) -> list[dict]:
+    """Peak RSS of each configuration, one fresh child process at a time.
+
+    One at a time and after everything else: on a 2-core machine, children side by side (or next
+    to the multi-step phase) oversubscribe the CPU so badly that the phase took minutes instead
+    of seconds; RSS itself does not depend on CPU share.
+    """
     from .memory import measure
     from .profiles import memory_configs
 
-    def one(cfg) -> None:
+    results = []
+    for cfg in memory_configs(with_common):
         spec = {"config": dataclasses.asdict(cfg), "model": model, "model_dtype": profile.model_dtype,
                 "layers": list(profile.layers), "engine": profile.engine,
                 "workload": profile.workload.to_dict()}
@@ -78,17 +84,7 @@ def _memory_thread(profile, model: str, out_dir: Path, results: list, with_commo
         except Exception as exc:  # a failed child is reported as such, never as a number
             results.append({"config": cfg.name, "error": repr(exc)})
         _log(f"peak RSS measured: {cfg.name}")
-
-    def work() -> None:
-        # Children run side by side: RSS does not depend on CPU share, and nothing here is timed.
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            list(pool.map(one, memory_configs(with_common)))
-
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
-    return t
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -152,18 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    rss: list[dict] = []
-    mem_thread = None
-    tmp = Path(tempfile.mkdtemp(prefix="uhead-bench-rss-"))
-    if profile.memory_subprocess:
-        # Engines stay alive until the end: shutting one in-process engine down tears down the
-        # process-wide parallel state the others still use. Each child has its own process.
-        mem_thread = _memory_thread(profile, model, tmp, rss, args.memory_common)
     _log("multi-step online best-of-n")
     ms_runner = runners.get("ours-eager-float32") or next(r for n, r in runners.items() if n.startswith("ours-"))
     multistep = run_multistep(ms_runner.gen, profile.multistep)
-    if mem_thread is not None:
-        mem_thread.join()
+    rss: list[dict] = []
+    if profile.memory_subprocess:
+        # The in-process engines stay alive (shutting one down tears down the process-wide
+        # parallel state the others use) but idle; each child has its own process.
+        rss = _measure_memory(profile, model, Path(tempfile.mkdtemp(prefix="uhead-bench-rss-")), args.memory_common)
     for r in list(runners.values()):
         r.close()
 
@@ -174,10 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
     memory = {
         "bytes_per_token": bytes_per_token(runs, num_layers, identity["hidden_size"]),
         "method": (
-            "one fresh child process per configuration (eager, same workload; children run side by "
-            "side, after the timed phase): RSS sampled every 5 ms "
+            "one fresh child process per configuration, one at a time after the timed and multi-step "
+            "phases (eager, same workload): RSS sampled every 5 ms "
             "during one pass with the results kept alive; run delta = sampled peak - RSS after "
-            "engine build and warm-up; ru_maxrss = lifetime peak of the child"
+            "engine build and warm-up; VmHWM = lifetime peak of the child"
             if profile.memory_subprocess else "not measured (quick profile or --no-memory)"),
         "peak_rss": sorted(rss, key=lambda e: str(e.get("config"))) if rss else None,
     }

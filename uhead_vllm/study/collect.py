@@ -58,6 +58,11 @@ class GenerationRecipe:
     logprobs: int = 10
     split_mode: str = "line"
     seed: int = 0
+    samples: int = 1  # answers per question (vLLM n); > 1 needs temperature > 0
+
+    #: Fields that decide what a step's features mean; datasets trained together must agree on
+    #: them (temperature, seed, samples and max_tokens only change which answers there are).
+    FEATURE_FIELDS = ("style", "logprobs", "split_mode")
 
     def __post_init__(self) -> None:
         if self.style not in STUDY_STYLES and self.style not in ("steps", "direct"):
@@ -66,6 +71,8 @@ class GenerationRecipe:
             raise ValueError("logprobs must be >= 1: baselines need the sampled token's logprob")
         if self.split_mode not in ("line", "sentence"):
             raise ValueError("split_mode must be 'line' or 'sentence'")
+        if self.samples < 1 or (self.samples > 1 and self.temperature <= 0):
+            raise ValueError("samples must be >= 1, and > 1 only with temperature > 0 (greedy samples are identical)")
 
     def chat(self, question: tasks.Question | str) -> list[dict]:
         if self.style in STUDY_STYLES:
@@ -76,7 +83,7 @@ class GenerationRecipe:
     def sampling_params(self) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+        return SamplingParams(n=self.samples, max_tokens=self.max_tokens, temperature=self.temperature,
                               logprobs=self.logprobs, seed=self.seed if self.temperature > 0 else None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,13 +191,14 @@ def collect(generator: Any, out_dir: str | Path, plans: Sequence[TaskPlan], reci
         raise ValueError("no questions selected")
     writer = DatasetWriter(out_dir, shard_size=shard_size, overwrite=overwrite)
     params = recipe.sampling_params()
-    bar = tqdm(total=len(questions), desc=f"collect {Path(out_dir).name}", unit="answer", disable=not progress)
+    bar = tqdm(total=len(questions), desc=f"collect {Path(out_dir).name}", unit="question", disable=not progress)
     for b in range(0, len(questions), batch_size):
         batch = questions[b : b + batch_size]
         res = generator.generate([recipe.chat(q) for q in batch], params)
         for q, ro, samples in zip(batch, res.outputs, res.hidden_states):
-            record, arrays = build_answer(q, ro.outputs[0], samples[0], generator.tokenizer, recipe)
-            writer.add(record, arrays)
+            for output, sample in zip(ro.outputs, samples):  # recipe.samples answers per question
+                record, arrays = build_answer(q, output, sample, generator.tokenizer, recipe)
+                writer.add(record, arrays)
         generator.step_cache.clear()  # single-step study: no trajectories to keep
         bar.update(len(batch))
         done = writer.records

@@ -90,14 +90,14 @@ def _model_path(model: str | None) -> Path:
 def collect(out: str | Path, tasks: Sequence[str], *, model: str | None = None,
             layers: Sequence[int] = DEFAULT_LAYERS, style: str = "steps_plain", max_tokens: int = 64,
             temperature: float = 0.0, logprobs: int = DEFAULT_TOPK, split_mode: str = "line", seed: int = 0,
-            exclude_from: Sequence[str | Path] = (), batch_size: int = 64, overwrite: bool = False,
+            samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64, overwrite: bool = False,
             progress: bool = True, generator: Any = None) -> Path:
     """Generate, grade and store answers for ``tasks`` (``task:n:seed`` each) into dataset ``out``."""
     from ..models import model_identity
     from .collect import GenerationRecipe, TaskPlan, collect as run_collect
     from .data import StudyDataset
 
-    recipe = GenerationRecipe(style, max_tokens, temperature, logprobs, split_mode, seed)
+    recipe = GenerationRecipe(style, max_tokens, temperature, logprobs, split_mode, seed, samples)
     plans = [TaskPlan.parse(t) for t in tasks]
     exclude = {a.question for d in exclude_from for a in StudyDataset(d).answers}
     path = _model_path(model)
@@ -257,7 +257,7 @@ def _common(p: argparse.ArgumentParser, threads: bool = True) -> None:
 def _cmd_collect(args: argparse.Namespace) -> None:
     path = collect(args.out, args.tasks, model=args.model, layers=args.layers, style=args.style,
                    max_tokens=args.max_tokens, temperature=args.temperature, logprobs=args.logprobs,
-                   split_mode=args.split_mode, seed=args.seed, exclude_from=args.exclude_from,
+                   split_mode=args.split_mode, seed=args.seed, samples=args.samples, exclude_from=args.exclude_from,
                    batch_size=args.batch_size, overwrite=args.overwrite, progress=_progress(args))
     counts = json.loads((path / "manifest.json").read_text())["counts"]["total"]
     print(f"wrote {path}: {counts['answers']} answers ({counts['correct']} correct), {counts['steps']} steps "
@@ -317,6 +317,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--logprobs", type=int, default=DEFAULT_TOPK, help="top-k logprobs stored per token")
     p.add_argument("--split-mode", choices=("line", "sentence"), default="line")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--samples", type=int, default=1, help="answers per question (needs temperature > 0)")
     p.add_argument("--exclude-from", nargs="*", default=[], help="datasets whose questions must not be reused")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--overwrite", action="store_true")

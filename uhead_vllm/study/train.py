@@ -17,6 +17,7 @@ import numpy as np
 
 from ..features import FeatureRecipe
 from ..heads import AttentionPoolingHead, LinearProbeHead, UncertaintyHead
+from .collect import GenerationRecipe
 from .data import DatasetError, StudyDataset
 from .examples import Examples, load_examples
 
@@ -39,8 +40,9 @@ def open_datasets(paths: Sequence[str | Path]) -> list[StudyDataset]:
             raise DatasetError(f"{ds.path} comes from model {ds.model_identity}, {first.path} from {first.model_identity}")
         if ds.layers != first.layers:
             raise DatasetError(f"{ds.path} captured layers {ds.layers}, {first.path} captured {first.layers}")
-        if ds.manifest["recipe"] != first.manifest["recipe"]:
-            raise DatasetError(f"{ds.path} and {first.path} were generated with different recipes")
+        differ = [k for k in GenerationRecipe.FEATURE_FIELDS if ds.manifest["recipe"][k] != first.manifest["recipe"][k]]
+        if differ:
+            raise DatasetError(f"{ds.path} and {first.path} were generated with different {', '.join(differ)}")
     return sets
 
 
