@@ -77,6 +77,15 @@ def vllm_kwargs() -> Callable[..., dict[str, Any]]:
     return make_vllm_kwargs
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collect_engines_after_module() -> Iterator[None]:
+    """Torn down after every other module fixture has dropped its engine: collect them here, at a
+    known point, rather than whenever the garbage collector runs (possibly while the next module
+    builds its engine, whose parallel state a late shutdown would tear down)."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def llm_factory() -> Iterator[Callable[..., Any]]:
     """Build ``vllm.LLM`` engines with the test kwargs; they are released when the test ends.
@@ -89,6 +98,7 @@ def llm_factory() -> Iterator[Callable[..., Any]]:
     engines: list[Any] = []
 
     def make(model: str | Path, **overrides: Any) -> Any:
+        gc.collect()  # as build_llm does: no dropped engine may shut down while this one is built
         llm = vllm.LLM(model=str(model), **make_vllm_kwargs(**overrides))
         engines.append(llm)
         return llm

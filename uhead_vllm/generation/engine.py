@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any, Iterable
 
@@ -40,9 +41,15 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     ``backend="aux"``: worker extension + aux hidden states (``capture_engine_kwargs``);
     ``backend="extract"``: vLLM's ``extract_hidden_states`` method writing files to
     ``capture_dir`` (``extract_backend.extract_engine_kwargs``). See docs/backends.md.
+
+    Unreachable engines are collected first: an in-process engine that is dropped but still in a
+    reference cycle shuts down whenever the garbage collector gets to it, and its shutdown tears
+    down vLLM's process-wide parallel state; if that happened while this engine is being built,
+    it would fail with "pipeline model parallel group is not initialized".
     """
     from vllm import LLM
 
+    gc.collect()
     if backend == "extract":
         from .extract_backend import extract_engine_kwargs
 
