@@ -1,13 +1,14 @@
 """polygraph_eval with an uncertainty head on the embedded model: data, head, run, results table.
 
     python experiments/polygraph/run_polygraph.py                 # 100 eval questions, 300 train
-    python experiments/polygraph/run_polygraph.py --head default  # use uhead_vllm/heads/default/
+    python experiments/polygraph/run_polygraph.py --head default --out experiments/results/polygraph_default_head
 
 1. Writes the evaluation CSV (reasoning-gym basic_arithmetic, easy config) with
    ``tasks.write_polygraph_dataset`` where the Hydra config expects it.
-2. Head: ``--head DIR`` (or ``default``), else the shipped default head if present, else trains a
-   linear probe on training questions (disjoint seeds) through the same calculators polygraph_eval
-   runs; layer, pooling and C are picked by 5-fold CV on the training answers only.
+2. Head: ``--head DIR`` (or ``default``: the shipped head, trained on the study's prompt and on
+   lines), else a linear probe trained here for this prompt and for whole answers, on training
+   questions (disjoint seeds) through the same calculators polygraph_eval runs; layer, pooling and
+   C are picked by 5-fold CV on the training answers only.
 3. Runs lm-polygraph's own ``polygraph_eval`` (unmodified) with configs/polygraph/polygraph_eval_arith.yaml.
 4. Reads the metrics table and per-sample values from polygraph_eval's log (plain text; the
    pickled manager file is never loaded) and writes results.md / results.json, adding ROC-AUC and
@@ -21,6 +22,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -213,8 +215,10 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
     for r in rows:
         md.append(f"| {r['estimator']} | " + " | ".join(fmt(r[c]) for c in METRIC_COLS) + f" | {fmt(r['roc_auc_wrong'])} |")
     if claim_rows:
+        level = json.loads((head_dir / "config.json").read_text()).get("training", {}).get("study", {}).get("level")
+        trained_on = "lines of the study's answers" if level == "step" else "whole answers, not lines"
         md += ["", f"Claim level (answer lines; {n_claims} checkable lines labelled by `tasks.label_steps`; "
-               "the head was trained on whole answers, not lines):", "",
+               f"the head was trained on {trained_on}):", "",
                "| estimator | ROC-AUC | PRR |", "|---|---|---|"]
         md += [f"| {r['estimator']} | {fmt(r['roc_auc_wrong'])} | {fmt(r['prr'])} |" for r in claim_rows]
     (out / "results.md").write_text("\n".join(md) + "\n")
@@ -229,7 +233,7 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=100)
     ap.add_argument("--n-train", type=int, default=300)
     ap.add_argument("--task", default="basic_arithmetic")
-    ap.add_argument("--head", default=None, help="saved head dir or 'default' (default: shipped head, else train one)")
+    ap.add_argument("--head", default=None, help="saved head dir or 'default' (default: train a linear probe for this set-up)")
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "polygraph")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for polygraph_eval")
     a = ap.parse_args()
@@ -247,12 +251,11 @@ def main() -> None:
     cfg = compose_config(list(a.overrides))
     if a.head is not None:
         head_dir = default_head_dir() if a.head == "default" else Path(a.head).resolve()
-    elif (default_head_dir() / "config.json").is_file():
-        head_dir = default_head_dir()
     else:
         head_dir = train_head(cfg, a.n_train, a.task, [q.question for q in questions], out)
 
     run_dir = out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # Hydra appends to an existing log: never mix two runs
     overrides = [f"uhead.head_path={head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}", *a.overrides]
     env = dict(os.environ, HYDRA_CONFIG=str(CONFIG))
     cmd = [str(Path(sys.executable).parent / "polygraph_eval"), *overrides]
