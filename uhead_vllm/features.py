@@ -242,6 +242,42 @@ def split_steps(
 # ----------------------------------------------------------------------------------------------
 
 
+def sampled_token_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any], start: int = 0,
+                           end: int | None = None) -> torch.Tensor:
+    """``[end - start]`` float32: log p of each sampled token ``token_ids[start:end]`` as vLLM
+    computed it (vLLM always returns the sampled token next to its top-k)."""
+    end = len(token_ids) if end is None else end
+    if len(logprobs) < end:
+        raise ValueError(f"logprobs cover {len(logprobs)} generated tokens, {end} needed")
+    out = torch.empty(max(end - start, 0), dtype=torch.float32)
+    for row, pos in enumerate(range(start, end)):
+        tok, entry = int(token_ids[pos]), logprobs[pos]
+        if entry is None or tok not in entry:
+            raise ValueError(f"vLLM logprobs at generated position {pos} lack the sampled token {tok}")
+        out[row] = float(getattr(entry[tok], "logprob", entry[tok]))
+    return out
+
+
+def topk_logprob_rows(logprobs: Sequence[Any], k: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """``[end - start, k]`` float32: the k largest log-probs of generated tokens ``start..end-1``,
+    best first (the columns a recipe's ``logprob_topk`` appends), from vLLM's per-token
+    ``{token_id: Logprob}`` dicts. vLLM returns its top-N plus the sampled token, so with N >= k
+    the k largest values are the model's top-k. The one place that defines these columns, so
+    training data and every scorer read them the same way."""
+    end = len(logprobs) if end is None else end
+    out = torch.empty(max(end - start, 0), k, dtype=torch.float32)
+    for row, pos in enumerate(range(start, end)):
+        entry = logprobs[pos] if pos < len(logprobs) else None
+        if entry is None:
+            raise ValueError(f"no logprobs for generated token {pos}; request SamplingParams(logprobs >= {k})")
+        values = sorted((float(getattr(v, "logprob", v)) for v in entry.values()), reverse=True)
+        if len(values) < k:
+            raise ValueError(f"generated token {pos} has {len(values)} logprobs, {k} needed; "
+                             f"request SamplingParams(logprobs >= {k})")
+        out[row] = torch.tensor(values[:k])
+    return out
+
+
 def clip_span(span: StepSpan, prompt_len: int, num_rows: int) -> StepSpan | None:
     """Trim ``span`` to the rows that exist (the last sampled token has none); None if nothing is left."""
     end = min(span.end, num_rows - prompt_len)

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..features import sampled_token_logprobs, topk_logprob_rows
 from .adapter import LogprobsMissingError, logprob_rows
 
 GREEDY_STATS: tuple[str, ...] = (
@@ -28,25 +29,14 @@ def token_log_likelihoods(sample: Any) -> list[float]:
     """log p of each generated token, as vLLM computed it (it always returns the sampled token)."""
     if sample.logprobs is None:
         raise LogprobsMissingError("vLLM returned no logprobs; build SamplingParams with logprobs=k")
-    out = []
-    for t, (tok, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
-        if tok not in entry:
-            raise ValueError(f"vLLM logprobs at position {t} lack the sampled token {tok}")
-        out.append(float(entry[tok].logprob))
-    return out
+    return sampled_token_logprobs(sample.token_ids, sample.logprobs).tolist()
 
 
 def topk_logprobs(sample: Any, k: int) -> np.ndarray:
     """``[T, k]`` float32: the k best log-probs per generated token, best first."""
     if sample.logprobs is None:
         raise LogprobsMissingError("vLLM returned no logprobs; build SamplingParams with logprobs=k")
-    out = np.empty((len(sample.token_ids), k), dtype=np.float32)
-    for t, entry in enumerate(sample.logprobs):
-        vals = sorted((lp.logprob for lp in entry.values()), reverse=True)
-        if len(vals) < k:
-            raise ValueError(f"position {t} has {len(vals)} logprobs, {k} needed; raise logprobs in the sampling params")
-        out[t] = vals[:k]
-    return out
+    return topk_logprob_rows(sample.logprobs, k, 0, len(sample.token_ids)).numpy()
 
 
 def alternatives(sample: Any, n: int) -> list[list[tuple[int, float]]]:

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import tasks
-from ..features import split_steps
+from ..features import sampled_token_logprobs, split_steps, topk_logprob_rows
 from .baselines import span_baselines
 from .data import AnswerArrays, AnswerRecord, DatasetWriter, StepRecordJson
 
@@ -121,17 +121,7 @@ def logprob_arrays(output: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = list(output.token_ids)
     if len(output.logprobs) != len(ids):
         raise ValueError(f"{len(output.logprobs)} logprob entries for {len(ids)} tokens")
-    chosen = torch.empty(len(ids), dtype=torch.float32)
-    topk = torch.empty(len(ids), k, dtype=torch.float32)
-    for pos, (tid, entry) in enumerate(zip(ids, output.logprobs)):
-        if tid not in entry:
-            raise ValueError(f"token {tid} at position {pos} has no logprob")
-        chosen[pos] = entry[tid].logprob
-        values = sorted((v.logprob for v in entry.values()), reverse=True)
-        if len(values) < k:
-            raise ValueError(f"position {pos}: {len(values)} logprobs returned, {k} requested")
-        topk[pos] = torch.tensor(values[:k])
-    return chosen, topk
+    return sampled_token_logprobs(ids, output.logprobs), topk_logprob_rows(output.logprobs, k)
 
 
 _ANSWER_STATEMENT = re.compile(r"\banswer\b", re.IGNORECASE)

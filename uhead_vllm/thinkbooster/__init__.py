@@ -4,7 +4,8 @@ thinkbooster itself is an optional extra (``pip install --no-deps thinkbooster==
 ``pip install -e ".[thinkbooster]"``); only :mod:`.strategies` imports it.
 """
 
-from .build import build_uhead_model, default_head_dir, load_step_head, make_scorer
+from ..heads import default_head_dir
+from .build import build_uhead_model, load_step_head, make_scorer
 from .model import CandidateHandle, ScoredRequestOutput, ScoreRecord, UHeadVLLMModel
 from .scorers import (
     CandidateStep,

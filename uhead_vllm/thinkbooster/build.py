@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..heads import UncertaintyHead, default_head_dir  # noqa: F401  (re-exported)
+from ..heads import UncertaintyHead
 from ..heads import load_head_for_model as load_step_head
 from ..models import resolve_model
 from .model import UHeadVLLMModel

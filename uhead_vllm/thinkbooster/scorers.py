@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..features import StepSpan, step_token_features
+from ..features import StepSpan, sampled_token_logprobs, step_token_features, topk_logprob_rows
 from ..heads import UncertaintyHead
 
 
@@ -68,22 +68,6 @@ def probability_to_uncertainty(p: float, eps: float = 1e-6) -> float:
     return p / (1.0 - p)
 
 
-def topk_logprob_matrix(logprobs: Sequence[dict[int, Any]], span: StepSpan, k: int) -> torch.Tensor:
-    """``[len(span), k]`` best-first logprob values of the span's tokens (what FeatureRecipe wants).
-
-    vLLM returns the top-N alternatives plus the sampled token; the k largest values are the top-k.
-    """
-    rows = []
-    for pos in range(span.start, span.end):
-        if pos >= len(logprobs) or logprobs[pos] is None:
-            raise ValueError(f"no logprobs for generated token {pos}; request logprobs >= {k} from vLLM")
-        values = sorted((float(getattr(v, "logprob", v)) for v in logprobs[pos].values()), reverse=True)
-        if len(values) < k:
-            raise ValueError(f"token {pos} has {len(values)} logprobs but the head's recipe needs top-{k}")
-        rows.append(values[:k])
-    return torch.tensor(rows, dtype=torch.float32)
-
-
 class HeadScorer:
     """Uncertainty head on the per-token features of exactly the candidate's step tokens."""
 
@@ -109,7 +93,7 @@ class HeadScorer:
         if self.recipe.logprob_topk:
             if step.logprobs is None:
                 raise ValueError(f"the head needs top-{self.recipe.logprob_topk} logprobs; none were returned")
-            topk = topk_logprob_matrix(step.logprobs, step.span, self.recipe.logprob_topk)
+            topk = topk_logprob_rows(step.logprobs, self.recipe.logprob_topk, step.span.start, step.span.end)
         # Offset the rows by span.start so that the top-k matrix covers exactly the span.
         local = StepSpan(0, len(step.span))
         return step_token_features(step.hidden, step.span.start, local, self.recipe, topk,
@@ -128,9 +112,14 @@ class HeadScorer:
 # ---------------------------------------------------------------------------------------------
 
 
-def _span_logprobs(step: CandidateStep) -> list[dict[int, Any]]:
+def _require_logprobs(step: CandidateStep) -> Sequence[dict[int, Any]]:
     if step.logprobs is None:
         raise ValueError("this scorer needs logprobs; request SamplingParams(logprobs=k) from vLLM")
+    return step.logprobs
+
+
+def _span_logprobs(step: CandidateStep) -> list[dict[int, Any]]:
+    _require_logprobs(step)
     if len(step.logprobs) < step.span.end:
         raise ValueError(f"logprobs cover {len(step.logprobs)} tokens, the step needs {step.span.end}")
     return [step.logprobs[p] for p in range(step.span.start, step.span.end)]
@@ -162,12 +151,8 @@ class MeanNLLScorer:
     needs_hidden = False
 
     def uncertainty(self, step: CandidateStep) -> float:
-        nll = []
-        for tok, d in zip(step.token_ids, _span_logprobs(step)):
-            if tok not in d:
-                raise ValueError(f"sampled token {tok} is missing from its logprobs")
-            nll.append(-float(getattr(d[tok], "logprob", d[tok])))
-        return float(np.mean(nll))
+        lp = sampled_token_logprobs(step.output_token_ids, _require_logprobs(step), step.span.start, step.span.end)
+        return float(-lp.double().mean())
 
 
 class RandomScorer:
