@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..features import StepSpan, split_steps
@@ -58,17 +59,17 @@ def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer:
             steps.features.append(feats)
             steps.answer_ids.append("a")
             scored[-1].uncertainty = -1.0  # placeholder, filled below
-    if steps.features:
-        probs = iter(head.predict_proba(steps.features))
-        for st in scored:
-            if st.uncertainty is not None:
-                st.uncertainty = float(next(probs))
+    step_probs = head.predict_proba(steps.features) if steps.features else np.empty(0)
+    probs = iter(step_probs)
+    for st in scored:
+        if st.uncertainty is not None:
+            st.uncertainty = float(next(probs))
     whole = span_features(arrays, StepSpan(0, len(ids)), head.recipe, layers) if ids else None
     if whole is None:
         raise ValueError(f"the answer to {question!r} has no hidden rows to score ({len(ids)} token(s))")
     answers = Examples("answer", [whole], [-1], ["a"], [""])
     rule = study_settings(head)["answer_scoring"]
-    p_answer = float(answer_scores(head, answers, steps, rule)[0])
+    p_answer = float(answer_scores(head, answers, steps, rule, step_probs)[0])
     return ScoredAnswer(question, output.text, tasks.extract_answer(output.text), p_answer, scored,
                         output.finish_reason)
 

@@ -45,12 +45,14 @@ def _recipe_key(recipe: FeatureRecipe) -> str:
     return json.dumps(recipe.to_dict(), sort_keys=True)
 
 
-def answer_scores(head: UncertaintyHead, answers: Examples, steps: Examples, rule: str) -> np.ndarray:
-    """P(wrong) of each answer: the head on the whole span, or the max over the answer's steps."""
+def answer_scores(head: UncertaintyHead, answers: Examples, steps: Examples, rule: str,
+                  step_probs: np.ndarray | None = None) -> np.ndarray:
+    """P(wrong) of each answer: the head on the whole span, or the max over the answer's steps
+    (``step_probs``: the head's P(wrong) of ``steps``, when the caller already has them)."""
     if rule == "span":
         return head.predict_proba(answers.features)
     if rule == "max_step":
-        probs = head.predict_proba(steps.features)
+        probs = head.predict_proba(steps.features) if step_probs is None else step_probs
         best: dict[str, float] = {}
         for aid, p in zip(steps.answer_ids, probs):
             best[aid] = max(best.get(aid, 0.0), float(p))
@@ -82,10 +84,11 @@ def score_set(ds: StudyDataset, heads: Mapping[str, UncertaintyHead], progress: 
         ex = by_recipe[_recipe_key(head.recipe)]
         rule = study_settings(head)["answer_scoring"]
         other = "max_step" if rule == "span" else "span"
-        out["answer"].scores[name] = answer_scores(head, ex["answer"], ex["step"], rule)
-        out["answer"].scores[f"{name} [{other}]"] = answer_scores(head, ex["answer"], ex["step"], other)
+        step_probs = head.predict_proba(ex["step"].features)  # all steps, once: max_step and step level
+        out["answer"].scores[name] = answer_scores(head, ex["answer"], ex["step"], rule, step_probs)
+        out["answer"].scores[f"{name} [{other}]"] = answer_scores(head, ex["answer"], ex["step"], other, step_probs)
         out["answer"].probabilistic |= {name, f"{name} [{other}]"}
-        out["step"].scores[name] = head.predict_proba([ex["step"].features[i] for i in lab])
+        out["step"].scores[name] = step_probs[lab]
         out["step"].probabilistic.add(name)
     return out
 
