@@ -67,8 +67,10 @@ def tiny_models() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
-    """SmolLM2-135M-Instruct as a bf16 HF folder (first run converts the GGUF, ≈20-35 s)."""
-    return embedded_model_path(CACHE_ROOT / "models")
+    """SmolLM2-135M-Instruct as a bf16 HF folder, in the same cache the CLI and `scripts/setup.sh`
+    use (``$UHEAD_VLLM_MODEL_CACHE`` or ``~/.cache/uhead_vllm/models``), so it is converted once per
+    machine (the first conversion takes ≈20-35 s)."""
+    return embedded_model_path()
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,7 @@ def main(cfg: DictConfig) -> None:
     unknown = [n for n in names if n not in cfg.runs]
     if unknown:
         raise ValueError(f"unknown runs {unknown}; configured: {list(cfg.runs)}")
-    model_path = resolve_model(cfg.model, cache_dir=_repo_path(cfg.model_cache_dir))
+    model_path = resolve_model(cfg.model, cache_dir=_repo_path(cfg.model_cache_dir) if cfg.model_cache_dir else None)
     head_dir = _repo_path(cfg.head_dir) if cfg.head_dir else default_head_dir()
     head = load_step_head(head_dir, model_path)
     layers = list(head.recipe.layers)
