@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from . import vllm_internals as vi
+from .. import adapters
+from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .layer_hooks import install_layer_hooks
 from .protocol import CAPTURE_KEY, CaptureSettings, encode_rows
@@ -24,21 +25,23 @@ _ROUTE_ATTR = "_uhead_route"
 
 
 def _install(runner: Any) -> None:
-    cfg = vi.additional_config(runner).get(CAPTURE_KEY)
+    cfg = vm.additional_config(runner).get(CAPTURE_KEY)
     if cfg is None:
         return
+    adapters.check_vllm_version()
+    adapter = adapters.runner_adapter(runner)
     settings = CaptureSettings.from_dict(cfg)
     model = runner.model
-    arch = vi.model_architecture(model)
+    arch = vm.model_architecture(model)
     spec = ARCHITECTURES.get(arch)
     if spec is not None and spec.engine_defect:
         raise EngineDefectError(f"capture refused for {arch}: {spec.engine_defect}")
-    use_aux = vi.supports_aux_layers(model)
+    use_aux = vm.supports_aux_layers(model)
     if use_aux:
-        n_layers = vi.decoder_num_layers(model)
+        n_layers = vm.decoder_num_layers(model)
     else:
         spec = spec_for(arch)  # clear error for an architecture we cannot read
-        layers = vi.decoder_layers(model, spec.layers_path)
+        layers = vm.decoder_layers(model, spec.layers_path)
         n_layers = len(layers)
     bad = [k for k in settings.layers if k > n_layers]
     if bad:
@@ -47,90 +50,84 @@ def _install(runner: Any) -> None:
             f"Hugging Face hidden-state indices are 0..{n_layers} (0 = embeddings, {n_layers} = "
             "after the last layer, before the final norm)"
         )
-    if vi.pp_world_size() > 1:
+    if vm.pp_world_size() > 1:
         raise NotImplementedError(
             "uhead_vllm capture does not support pipeline parallelism yet: each rank holds only a "
             "slice of the layers and partial rows would be returned. Use tensor parallelism or one "
             "worker."
         )
-    if vi.uses_aux_outputs_already(runner):
+    if vm.uses_aux_outputs_already(runner):
         raise NotImplementedError(
             "uhead_vllm capture cannot share aux hidden states with EAGLE-3 / extract_hidden_states "
             "speculative decoding; use the 'extract' backend or a model-free method such as ngram"
         )
     problem = engine_setting_problem(
-        vi.state_space_types(model), vi.prefix_caching_enabled(runner), vi.running_on_cpu(),
-        layer_hooks=not use_aux, tp_size=vi.tp_world_size(), speculative=vi.speculative_method(runner),
+        vm.state_space_types(model), vm.prefix_caching_enabled(runner), vm.running_on_cpu(),
+        layer_hooks=not use_aux, tp_size=vm.tp_world_size(), speculative=vm.speculative_method(runner),
     )
     if problem:
         raise NotImplementedError(f"uhead_vllm capture for {arch}: {problem}")
-    if not use_aux and not vi.is_eager(runner):
+    eager = vm.is_eager(runner)
+    if not use_aux and not eager:
         raise NotImplementedError(
             f"{arch} has no aux hidden-state interface, so uhead_vllm reads it with forward hooks "
             "on its decoder layers, and hooks on compiled submodules never fire. Build the engine "
             "with enforce_eager=True"
         )
-    if vi.tp_rank() != 0:
-        return  # the residual stream is replicated across TP ranks: rank 0 alone records
     aux_layers = tuple(sorted(settings.layers))
-    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vi.hidden_size(runner))
-    setattr(runner, _STATE_ATTR, recorder)
-    setattr(runner, _ROUTE_ATTR, "aux" if use_aux else "layer_hooks")
     if use_aux:
-        _install_aux(runner, model, recorder, aux_layers)
+        # Every TP rank runs the same graph, so every rank must carry the aux outputs.
+        adapter.enable_aux_outputs(runner, aux_layers)
+        if eager and 0 in aux_layers:
+            vm.protect_embedding_output(model)
+    if vm.tp_rank() != 0:
+        return  # the residual stream is replicated across TP ranks: rank 0 alone records
+    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner))
+    setattr(runner, _STATE_ATTR, recorder)
+    setattr(runner, _ROUTE_ATTR, f"{adapter.NAME}:{'aux' if use_aux else 'layer_hooks'}")
+    if use_aux:
+        adapter.attach(runner, recorder)
     else:
-        _install_hooks(runner, model, layers, spec.stream, recorder, aux_layers)
+        _attach_hooks(runner, adapter, model, layers, spec.stream, recorder, aux_layers)
 
 
-def _install_aux(runner: Any, model: torch.nn.Module, recorder: RowRecorder,
-                 aux_layers: tuple[int, ...]) -> None:
-    """Compile-safe route: the model itself returns the aux streams next to its output."""
-    vi.set_aux_layers(model, aux_layers)
+class _HookedRecorder:
+    """Step listener for the layer-hook route: the forward's streams come from the hooks."""
 
-    def on_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not isinstance(output, tuple):
-            return output  # intermediate PP output or a dummy run without aux
-        hidden, aux = output
-        positions = kwargs.get("positions")
-        input_ids = kwargs.get("input_ids")
-        if positions is not None and input_ids is not None:
-            req_ids, qsl = vi.batch_layout(runner)
-            tags = [recorder.tag_of(r, vi.request_extra_args(runner, r)) for r in req_ids]
-            recorder.record(req_ids, qsl, tags, positions, input_ids, aux)
-        return hidden
+    def __init__(self, recorder: RowRecorder):
+        self.recorder = recorder
+        self.streams: list[torch.Tensor] | None = None
 
-    model.register_forward_hook(on_forward, with_kwargs=True)
+    def on_schedule(self, step: adapters.ScheduledStep) -> None:
+        self.streams = None
+        self.recorder.on_schedule(step)
+
+    def on_forward(self, step: adapters.StepOutputs) -> None:
+        streams, self.streams = self.streams, None
+        self.recorder.on_forward(step, streams=streams or [])
 
 
-def _install_hooks(runner: Any, model: torch.nn.Module, layers: torch.nn.ModuleList, rule: Any,
-                   recorder: RowRecorder, aux_layers: tuple[int, ...]) -> None:
-    """Eager-only route: hooks on the decoder layers (see layer_hooks.py)."""
-    batch: dict[str, Any] = {}
+def _attach_hooks(runner: Any, adapter: Any, model: torch.nn.Module, layers: torch.nn.ModuleList,
+                  rule: Any, recorder: RowRecorder, aux_layers: tuple[int, ...]) -> None:
+    """Eager-only route: hooks on the decoder layers (see layer_hooks.py) collect the streams,
+    the runner adapter supplies the step layout after the forward."""
+    listener = _HookedRecorder(recorder)
 
     def begin(kwargs: dict) -> bool:
-        positions, input_ids = kwargs.get("positions"), kwargs.get("input_ids")
-        if positions is None or input_ids is None:
-            return False
-        req_ids, qsl = vi.batch_layout(runner)
-        tags = [recorder.tag_of(r, vi.request_extra_args(runner, r)) for r in req_ids]
-        batch.update(req_ids=req_ids, qsl=qsl, tags=tags)
-        if recorder.error is not None or not any(t is not None for t in tags):
-            recorder.record(req_ids, qsl, tags, positions, input_ids, [])  # counts the forward
-            return False
-        return True
+        return recorder.error is None and recorder.scheduled_rows > 0
 
     def finish(kwargs: dict, streams: list[torch.Tensor]) -> None:
-        recorder.record(batch["req_ids"], batch["qsl"], batch["tags"], kwargs["positions"],
-                        kwargs["input_ids"], streams)
+        listener.streams = streams
 
     def fail(message: str) -> None:
         if recorder.error is None:
             recorder.error = message
 
     install_layer_hooks(model, layers, rule, aux_layers, begin, finish, fail)
+    adapter.attach(runner, listener)
 
 
-vi.install_after_load_hook(_install)
+adapters.install_load_hooks(_install)
 
 
 class UheadCaptureExtension:
@@ -144,7 +141,7 @@ class UheadCaptureExtension:
         rec = self._uhead_get_recorder()
         if rec is None:
             return None
-        return encode_rows(rec.take(vi.live_request_ids(self.model_runner)))
+        return encode_rows(rec.take())
 
     def uhead_status(self) -> str:
         """JSON: whether this rank records, its settings and what it holds now."""
@@ -155,4 +152,4 @@ class UheadCaptureExtension:
                            "aux_layers": list(rec.aux_layers),
                            "route": getattr(self.model_runner, _ROUTE_ATTR, None), "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error,
-                           "vllm_checked": vi.CHECKED_VLLM_VERSION})
+                           "vllm_supported": adapters.supported_text()})

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from .protocol import RequestTag
-from .vllm_internals import repair_cpu_spec_sampling
+from ..adapters.cpu_repairs import repair_cpu_spec_sampling
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

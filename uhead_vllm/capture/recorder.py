@@ -1,129 +1,187 @@
-"""Per-forward recording of tagged requests' rows, inside the worker.
+"""Per-step recording of tagged requests' rows, inside the worker.
 
-The recorder is plain Python over tensors: it is handed the aux hidden states of one forward and the
-batch layout, keeps the rows of tagged requests only, and turns them into one safetensors payload on
-fetch. Untagged requests cost one dict lookup per forward.
+The runner adapter hands the recorder each step's schedule (which requests are new, how many
+tokens each gets) and, after the forward, the step's outputs. Per step the recorder does one
+gather on the device (a slice per contiguous run of tagged requests, usually one) and one
+asynchronous device-to-host copy into pinned memory; nothing on the hot path waits for the device.
+``take`` waits once, then assembles all steps into one :class:`CapturedRows`.
+
+Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
+forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the
+last two means capture missed rows (never the prefix cache: cached tokens are not scheduled).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from ..adapters import ScheduledStep, StepOutputs
 from .protocol import CapturedRows, CaptureSettings, RequestTag, empty_rows
 
 
 @dataclass
-class _Chunk:
-    tag: int
-    sample: int
-    positions: torch.Tensor
-    token_ids: torch.Tensor
-    hidden: torch.Tensor
+class _Step:
+    tags: np.ndarray  # [C] per chunk (one chunk per tagged request in the step)
+    samples: np.ndarray  # [C]
+    lens: np.ndarray  # [C] rows per chunk
+    hidden: torch.Tensor  # [R, L, H] host (pinned when the step ran on a GPU)
+    meta: torch.Tensor  # [2, R] int64 host: positions, input token ids
 
 
 @dataclass
 class RowRecorder:
-    """Accumulates captured chunks until the engine fetches them."""
+    """Accumulates captured steps until the engine fetches them."""
 
     settings: CaptureSettings
     aux_layers: tuple[int, ...]  # the layers the model emits, sorted (vLLM sorts them)
     hidden_size: int
-    chunks: list[_Chunk] = field(default_factory=list)
+    steps: list[_Step] = field(default_factory=list)
     bytes_held: int = 0
     error: str | None = None
     forwards_seen: int = 0
+    forwards_expected: int = 0  # forwards with rows of tagged requests scheduled
     forwards_recorded: int = 0
+    rows_expected: int = 0  # rows of tagged requests vLLM scheduled (so computed)
     rows_recorded: int = 0
+    scheduled_rows: int = 0  # tagged rows scheduled in the step that is running now
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
+    _copied: object = None  # CUDA event after the last device-to-host copy
 
     def __post_init__(self) -> None:
         # Map requested layer order onto the (sorted) aux output order.
         self._select = [self.aux_layers.index(k) for k in self.settings.layers]
 
-    def tag_of(self, req_id: str, extra_args: dict | None) -> RequestTag | None:
-        if req_id in self._tags:
-            return self._tags[req_id]
-        tag = RequestTag.from_extra_args(extra_args)
-        if tag is not None:
-            key = (tag.tag, tag.sample)
-            other = self._owner.get(key)
-            if other is not None and other != req_id and self.error is None:
-                self.error = (
-                    f"requests {other!r} and {req_id!r} carry the same capture tag {key}: "
-                    "sampling with n>1 must go through VllmHiddenStatesGenerator, which gives "
-                    "every sample its own tag"
-                )
-            self._owner[key] = req_id
-        self._tags[req_id] = tag
-        return tag
+    # ------------------------------------------------------------------ schedule
+    def on_schedule(self, step: ScheduledStep) -> None:
+        for rid in step.finished_req_ids:
+            tag = self._tags.pop(rid, None)
+            if tag is not None and self._owner.get((tag.tag, tag.sample)) == rid:
+                del self._owner[(tag.tag, tag.sample)]
+        for rid, extra_args in step.new_requests:
+            self._register(rid, extra_args)
+        rows = sum(n for rid, n in step.num_scheduled_tokens.items() if self._tags.get(rid) is not None)
+        self.scheduled_rows = rows
+        if rows:
+            self.forwards_expected += 1
+            self.rows_expected += rows
 
-    def record(
-        self,
-        req_ids: list[str],
-        query_start_loc: list[int],
-        tags: list[RequestTag | None],
-        positions: torch.Tensor,
-        input_ids: torch.Tensor,
-        aux: list[torch.Tensor],
-    ) -> None:
-        self.forwards_seen += 1
-        if self.error is not None or not any(t is not None for t in tags):
+    def _register(self, req_id: str, extra_args: dict | None) -> None:
+        tag = RequestTag.from_extra_args(extra_args)
+        self._tags[req_id] = tag
+        if tag is None:
             return
-        if positions.dim() > 1:  # M-RoPE style [3, T]: the text position is row 0
-            positions = positions[0]
-        picked = [aux[j] for j in self._select]
+        key = (tag.tag, tag.sample)
+        other = self._owner.get(key)
+        if other is not None and other != req_id and self.error is None:
+            self.error = (
+                f"requests {other!r} and {req_id!r} carry the same capture tag {key}: "
+                "sampling with n>1 must go through VllmHiddenStatesGenerator, which gives "
+                "every sample its own tag"
+            )
+        self._owner[key] = req_id
+
+    # ------------------------------------------------------------------ forward
+    def on_forward(self, step: StepOutputs, streams: list[torch.Tensor] | None = None) -> None:
+        """Record the tagged rows of one forward. ``streams`` (layer-hook route) replace
+        ``step.aux``; both are in sorted HF-index order."""
+        self.forwards_seen += 1
+        source = step.aux if streams is None else streams
+        if self.error is not None or not self.scheduled_rows or not source:
+            return
+        qsl = step.query_start_loc
+        chunk_tags, chunk_samples, starts, ends = [], [], [], []
+        for i, rid in enumerate(step.req_ids):
+            tag = self._tags.get(rid)
+            if tag is not None and qsl[i + 1] > qsl[i]:
+                chunk_tags.append(tag.tag)
+                chunk_samples.append(tag.sample)
+                starts.append(int(qsl[i]))
+                ends.append(int(qsl[i + 1]))
+        if not starts:
+            return
+        lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        n_rows = int(lens.sum())
         dtype = self.settings.torch_dtype
-        new_bytes = 0
-        pending: list[_Chunk] = []
-        for rid, tag, a, b in zip(req_ids, tags, query_start_loc[:-1], query_start_loc[1:]):
-            if tag is None or b <= a:
-                continue
-            hidden = torch.stack([h[a:b] for h in picked], dim=1).to(dtype=dtype, copy=True)
-            pending.append(_Chunk(tag.tag, tag.sample, positions[a:b].to(torch.int64).clone(),
-                                  input_ids[a:b].to(torch.int64).clone(), hidden))
-            new_bytes += hidden.numel() * hidden.element_size()
+        new_bytes = n_rows * len(self._select) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
         if self.bytes_held + new_bytes > self.settings.max_bytes:
             self.error = (
                 f"capture memory budget exceeded: holding {self.bytes_held} bytes, this forward "
                 f"adds {new_bytes}, budget max_bytes={self.settings.max_bytes}. Raise max_bytes, "
                 "capture fewer layers or use bfloat16, or generate in smaller batches"
             )
-            self.chunks.clear()
+            self.steps.clear()
             self.bytes_held = 0
             return
-        self.chunks.extend(pending)
+        picked = [source[j] for j in self._select]
+        positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
+        hidden_parts, meta_parts = [], []
+        for a, b in _runs(starts, ends):
+            hidden_parts.append(torch.stack([h[a:b] for h in picked], dim=1))
+            meta_parts.append(torch.stack([positions[a:b].to(torch.int64), step.input_ids[a:b].to(torch.int64)]))
+        hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
+        meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
+        hidden, meta = self._to_host(hidden), self._to_host(meta)
+        self.steps.append(_Step(np.asarray(chunk_tags, dtype=np.int64), np.asarray(chunk_samples, dtype=np.int64),
+                                lens, hidden, meta))
         self.bytes_held += new_bytes
         self.forwards_recorded += 1
-        self.rows_recorded += sum(c.positions.numel() for c in pending)
+        self.rows_recorded += n_rows
 
-    def take(self, live_req_ids: set[str]) -> CapturedRows:
-        """Hand over everything recorded so far and start afresh (forget finished requests)."""
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Host copy of a freshly gathered tensor; on a GPU asynchronous into pinned memory."""
+        if t.device.type != "cuda":
+            return t  # already a new tensor (stack/cat copy), never an engine buffer
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied = event
+        return host
+
+    # ------------------------------------------------------------------ fetch
+    def take(self) -> CapturedRows:
+        """Hand over everything recorded so far and start afresh."""
+        if self._copied is not None:
+            self._copied.synchronize()  # type: ignore[attr-defined]
+            self._copied = None
         layers = tuple(self.settings.layers)
-        dtype = self.settings.torch_dtype
-        stats = {"forwards_seen": self.forwards_seen, "forwards_recorded": self.forwards_recorded,
+        stats = {"forwards_seen": self.forwards_seen, "forwards_expected": self.forwards_expected,
+                 "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                  "rows_recorded": self.rows_recorded, "bytes": self.bytes_held}
-        if not self.chunks:
-            rows = empty_rows(layers, self.hidden_size, dtype)
+        if not self.steps:
+            rows = empty_rows(layers, self.hidden_size, self.settings.torch_dtype)
         else:
-            lens = torch.tensor([c.positions.numel() for c in self.chunks], dtype=torch.int64)
+            lens = torch.from_numpy(np.concatenate([s.lens for s in self.steps]))
+            meta = torch.cat([s.meta for s in self.steps], dim=1)
             rows = CapturedRows(
                 layers=layers,
-                hidden=torch.cat([c.hidden for c in self.chunks]),
-                tags=torch.repeat_interleave(torch.tensor([c.tag for c in self.chunks]), lens),
-                samples=torch.repeat_interleave(torch.tensor([c.sample for c in self.chunks]), lens),
-                positions=torch.cat([c.positions for c in self.chunks]),
-                token_ids=torch.cat([c.token_ids for c in self.chunks]),
+                hidden=torch.cat([s.hidden for s in self.steps]),
+                tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in self.steps])), lens),
+                samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in self.steps])), lens),
+                positions=meta[0].contiguous(),
+                token_ids=meta[1].contiguous(),
                 chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
             )
         rows.error = self.error
         rows.stats = stats
-        self.chunks = []
+        self.steps = []
         self.bytes_held = 0
         self.error = None
-        self.forwards_seen = self.forwards_recorded = self.rows_recorded = 0
-        self._tags = {r: t for r, t in self._tags.items() if r in live_req_ids}
-        self._owner = {k: r for k, r in self._owner.items() if r in live_req_ids}
+        self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
+        self.rows_expected = self.rows_recorded = 0
         return rows
+
+
+def _runs(starts: list[int], ends: list[int]) -> list[tuple[int, int]]:
+    """Merge adjacent row ranges, so a batch of tagged requests is one slice."""
+    runs = [(starts[0], ends[0])]
+    for a, b in zip(starts[1:], ends[1:]):
+        if a == runs[-1][1]:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return runs

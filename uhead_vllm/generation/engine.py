@@ -6,6 +6,7 @@ import gc
 import json
 from typing import Any, Iterable
 
+from ..adapters.versions import check_vllm_version
 from ..capture.protocol import (
     CAPTURE_KEY,
     EXTENSION_QUALNAME,
@@ -25,7 +26,9 @@ def capture_engine_kwargs(
     """Keyword arguments to merge into ``vllm.LLM(...)`` so its workers capture ``layers``.
 
     Layers are fixed at engine construction because compiled mode bakes them into the graph.
+    Raises ``UnsupportedVllmError`` for a vLLM outside the checked versions.
     """
+    check_vllm_version()
     settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype, max_bytes=max_bytes)
     return {
         "worker_extension_cls": EXTENSION_QUALNAME,

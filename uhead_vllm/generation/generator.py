@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -46,6 +47,9 @@ class GenerationStats:
     tokens_forwarded: int = 0  # rows vLLM actually computed for tagged requests (incl. recompute)
     rows_captured: int = 0  # rows taken from the first pass
     prefix_cache_rows: int = 0  # rows vLLM skipped because their KV was cached
+    capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
+    forwards_seen: int = 0  # model forwards the worker saw during the first pass
+    forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
     rows_from_store: int = 0
     rows_recomputed: int = 0
     recompute_requests: int = 0
@@ -219,6 +223,7 @@ class VllmHiddenStatesGenerator:
             raise CaptureError(captured.error, outputs=request_outputs)
 
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows)
+        self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
         self._place(seqs, captured, owners)
         if last:
@@ -228,7 +233,7 @@ class VllmHiddenStatesGenerator:
             for q in seqs:
                 q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - (1 if last else 0)]).sum()) for q in seqs)
-        stats.prefix_cache_rows = missing_before
+        stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
         for q in seqs:
             self.store.put(q.expected, q.rows, q.valid)
         for q in seqs:
@@ -239,6 +244,31 @@ class VllmHiddenStatesGenerator:
         return self._result(prompts, rendered, seqs, stats)
 
     # ------------------------------------------------------------------ internals
+    def _check_capture_complete(self, captured: CapturedRows, stats: GenerationStats, outputs: list) -> None:
+        """Compare what vLLM scheduled for our requests with what the worker recorded.
+
+        Cached prefix tokens are never scheduled, so a shortfall is capture missing forwards
+        (e.g. a route that does not run under CUDA-graph replay): an error in strict mode, else
+        recomputed and counted, with a warning, never silently.
+        """
+        expected = int(captured.stats.get("rows_expected", captured.num_rows))
+        stats.forwards_seen = int(captured.stats.get("forwards_seen", 0))
+        stats.forwards_recorded = int(captured.stats.get("forwards_recorded", 0))
+        missed = expected - captured.num_rows
+        if missed <= 0:
+            return
+        stats.capture_missed_rows = missed
+        message = (
+            f"capture missed {missed} of {expected} rows vLLM computed "
+            f"({captured.stats.get('forwards_expected', '?')} forwards with our rows, "
+            f"{stats.forwards_recorded} recorded); this engine's runner or version is not captured "
+            "exactly"
+        )
+        if self.strict:
+            raise CaptureError(f"strict mode: {message}", outputs=outputs)
+        warnings.warn(f"{message}; the missing rows are recomputed with a second pass", RuntimeWarning,
+                      stacklevel=3)
+
     def _sequences(self, rendered, owners, child_params, request_outputs, last: bool) -> list[_Seq]:
         seqs = []
         for tag, ro in zip(owners, request_outputs):

