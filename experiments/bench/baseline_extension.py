@@ -61,9 +61,10 @@ class CommonApproachExtension:
                 if b <= a:
                     continue
                 part = hidden[a:b]
-                arr = part.float().numpy()
-                if part.dtype == torch.float32:
-                    arr = arr.copy()  # .float() was a no-op: detach from the layer's buffer
+                host = part.float().cpu()  # on a GPU: a synchronous copy per request and layer
+                arr = host.numpy()
+                if host.data_ptr() == part.data_ptr():
+                    arr = arr.copy()  # CPU fp32: .float().cpu() was a no-op; detach from the buffer
                 self._bl_rows.setdefault(rid, {}).setdefault(k, []).append(arr)
 
         return hook

@@ -84,7 +84,7 @@ def _install(runner: Any) -> None:
         return  # the residual stream is replicated across TP ranks: rank 0 alone records
     recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner))
     setattr(runner, _STATE_ATTR, recorder)
-    setattr(runner, _ROUTE_ATTR, f"{adapter.NAME}:{'aux' if use_aux else 'layer_hooks'}")
+    setattr(runner, _ROUTE_ATTR, ("aux" if use_aux else "layer_hooks", adapter.NAME))
     if use_aux:
         adapter.attach(runner, recorder)
     else:
@@ -150,6 +150,7 @@ class UheadCaptureExtension:
             return json.dumps({"recording": False})
         return json.dumps({"recording": True, "settings": rec.settings.to_dict(),
                            "aux_layers": list(rec.aux_layers),
-                           "route": getattr(self.model_runner, _ROUTE_ATTR, None), "hidden_size": rec.hidden_size,
+                           "route": getattr(self.model_runner, _ROUTE_ATTR)[0],
+                           "runner": getattr(self.model_runner, _ROUTE_ATTR)[1], "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error,
                            "vllm_supported": adapters.supported_text()})

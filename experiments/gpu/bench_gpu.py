@@ -1,0 +1,157 @@
+"""GPU throughput of capture, side by side in one run: plain vLLM with CUDA graphs, uhead_vllm
+capture with CUDA graphs, plain eager, and the common approach (eager hooks + pickle).
+
+Random-weight models of real shapes (vLLM's dummy weights; values do not matter for speed), bf16,
+chat prompts × n=4 × 128 tokens with ``ignore_eos`` so every configuration generates the same
+tokens. Each configuration runs in its own process, one after another (vLLM reads the runner choice
+once per process); the parent writes ``bench-<shape>.json`` and ``bench-<shape>.md`` with ratios.
+
+    python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples
+N, MAX_TOKENS, REPS = 4, 128, 2
+
+
+def configs(shape: str, n_layers: int) -> list[dict[str, Any]]:
+    """Name, kind (plain/ours/common), mode, runner and captured layers of each configuration."""
+    three = [0, n_layers // 2, n_layers]
+    out = [
+        dict(name="plain-graphs", kind="plain", mode="compiled", runner="v2", layers=[]),
+        dict(name="ours-graphs", kind="ours", mode="compiled", runner="v2", layers=three),
+        dict(name="plain-eager", kind="plain", mode="eager", runner="v2", layers=[]),
+        dict(name="common-eager", kind="common", mode="eager", runner="v1", layers=three),
+        dict(name="plain-graphs-v1", kind="plain", mode="compiled", runner="v1", layers=[]),
+        dict(name="ours-graphs-v1", kind="ours", mode="compiled", runner="v1", layers=three),
+    ]
+    if shape == "smollm2":
+        out += [
+            dict(name="ours-graphs-1layer", kind="ours", mode="compiled", runner="v2", layers=[n_layers // 2]),
+            dict(name="ours-graphs-4layers", kind="ours", mode="compiled", runner="v2",
+                 layers=[0, n_layers // 3, 2 * n_layers // 3, n_layers]),
+            dict(name="ours-graphs-all", kind="ours", mode="compiled", runner="v2", layers=list(range(n_layers + 1))),
+        ]
+    return out
+
+
+def engine_settings(shape: str) -> dict[str, Any]:
+    return dict(load_format="dummy", enable_prefix_caching=True, max_model_len=1024, max_num_seqs=256,
+                gpu_memory_utilization=0.85, kv_cache_memory_bytes=(16 if shape == "llama8b" else 8) << 30,
+                seed=0, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
+
+
+def child(spec: dict[str, Any], model: str, shape: str) -> dict[str, Any]:
+    """Build one engine, warm it up, time every batch size REPS times."""
+    sys.path.insert(0, str(REPO))
+    from experiments.bench.engines import Config, Runner
+    from experiments.bench.workload import Workload, rendered_prompts
+    from transformers import AutoTokenizer
+
+    prompts = rendered_prompts(AutoTokenizer.from_pretrained(model), max(BATCHES))
+    cfg = Config(spec["kind"], spec["mode"], "bfloat16" if spec["kind"] == "ours" else None)
+    layers = tuple(spec["layers"]) or (0,)
+    big = Workload(max(BATCHES), N, MAX_TOKENS)
+    runner = Runner(cfg, model, "bfloat16", layers, engine_settings(shape), prompts, big)
+    result: dict[str, Any] = {**spec, "load_seconds": runner.load_seconds, "batches": {}}
+    runner.warmup(big)
+    for b in BATCHES:
+        wl = Workload(b, N, MAX_TOKENS)
+        runs = [runner.run(wl) for _ in range(REPS)]
+        result["batches"][str(b * N)] = {
+            "tok_per_s": max(r.tok_per_s for r in runs), "seconds": [r.seconds for r in runs],
+            "generated_tokens": runs[0].generated_tokens, "rows": runs[0].rows, "extra": runs[-1].extra}
+    runner.close()
+    return result
+
+
+def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
+    by = {r["name"]: r for r in results if "batches" in r}
+    lines = [f"# GPU capture throughput, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`", "",
+             "| config | " + " | ".join(f"{b * N} seqs tok/s (x plain-graphs)" for b in BATCHES) + " |",
+             "|---|" + "---|" * len(BATCHES)]
+    for name, r in by.items():
+        cells = []
+        for b in BATCHES:
+            tps = r["batches"][str(b * N)]["tok_per_s"]
+            base = by.get("plain-graphs", {}).get("batches", {}).get(str(b * N), {}).get("tok_per_s")
+            cells.append(f"{tps:,.0f} ({tps / base:.3f})" if base else f"{tps:,.0f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    failed = [r for r in results if "batches" not in r]
+    for r in failed:
+        lines += ["", f"**{r['name']} failed**: {r.get('error', '?')[-500:]}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=["smollm2", "llama8b"], required=True)
+    ap.add_argument("--tokenizer", required=True, help="folder with tokenizer.json (+ config)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.child:
+        spec = json.loads(args.child)
+        try:
+            res = child(spec, args.model, args.shape)
+        except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
+            import traceback
+
+            res = {**spec, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+        (out / f"child-{spec['name']}.json").write_text(json.dumps(res))
+        return
+
+    sys.path.insert(0, str(REPO))
+    from experiments.gpu.models import SHAPES, build_model
+
+    import torch
+    import vllm
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{args.shape}", args.shape,
+                        Path(args.tokenizer), save_weights=False)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("UHEAD_COMMIT", "unknown")
+    meta = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+            "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
+            "workload": {"batches_prompts": BATCHES, "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
+                         "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
+    results = []
+    only = set(filter(None, args.only.split(",")))
+    for spec in configs(args.shape, SHAPES[args.shape]["num_hidden_layers"]):
+        if only and spec["name"] not in only:
+            continue
+        env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if spec["runner"] == "v2" else "0"}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "experiments.gpu.bench_gpu", "--shape", args.shape,
+                               "--tokenizer", args.tokenizer, "--out", str(out), "--model", str(model),
+                               "--child", json.dumps(spec)], cwd=REPO, env=env, capture_output=True, text=True)
+        path = out / f"child-{spec['name']}.json"
+        res = json.loads(path.read_text()) if path.exists() else {**spec, "error": proc.stderr[-2000:]}
+        path.unlink(missing_ok=True)
+        res["wall_seconds"] = time.perf_counter() - t0
+        results.append(res)
+        print(f"[bench] {spec['name']}: {time.perf_counter() - t0:.0f} s "
+              f"{'ERROR' if 'error' in res else {b: round(v['tok_per_s']) for b, v in res['batches'].items()}}",
+              flush=True)
+        (out / f"bench-{args.shape}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / f"bench-{args.shape}.md").write_text(report(results, args.shape, meta))
+
+
+if __name__ == "__main__":
+    main()
