@@ -24,6 +24,11 @@ def install_load_hooks(after_load: Callable[[Any], None]) -> None:
         runner.install_load_hook(after_load)
 
 
+def worker_runner(worker: Any) -> Any:
+    """The model runner of a vLLM worker (what the worker extension's RPCs read)."""
+    return worker.model_runner
+
+
 def runner_adapter(runner: Any) -> ModuleType:
     """The adapter module for this runner instance; refuses runners nobody checked."""
     for adapter in RUNNERS:
@@ -44,4 +49,4 @@ def runner_adapter(runner: Any) -> ModuleType:
 
 __all__ = ["RUNNERS", "SUPPORTED_VLLM", "ScheduledStep", "StepListener", "StepOutputs",
            "UnsupportedVllmError", "check_vllm_version", "install_load_hooks", "runner_adapter",
-           "supported_text"]
+           "supported_text", "worker_runner"]

@@ -17,7 +17,7 @@ from .. import adapters
 from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .layer_hooks import install_layer_hooks
-from .protocol import CAPTURE_KEY, CaptureSettings, encode_rows
+from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, encode_rows
 from .recorder import RowRecorder
 
 _STATE_ATTR = "_uhead_recorder"
@@ -134,14 +134,20 @@ class UheadCaptureExtension:
     """Methods vLLM mixes into its worker; called with ``llm.collective_rpc("uhead_...")``."""
 
     def _uhead_get_recorder(self) -> RowRecorder | None:
-        return getattr(self.model_runner, _STATE_ATTR, None)
+        return getattr(adapters.worker_runner(self), _STATE_ATTR, None)
 
-    def uhead_fetch(self) -> bytes | None:
-        """All rows recorded since the last fetch as safetensors bytes (None on non-recording ranks)."""
+    def uhead_fetch(self, inline: bool = False) -> CapturedRows | bytes | None:
+        """All rows recorded since the last fetch (None on non-recording ranks).
+
+        ``inline=True`` returns the :class:`CapturedRows` object itself; only an engine-side
+        caller in the same process may ask for it (nothing is serialised then). Otherwise the rows
+        travel as safetensors bytes.
+        """
         rec = self._uhead_get_recorder()
         if rec is None:
             return None
-        return encode_rows(rec.take())
+        rows = rec.take()
+        return rows if inline else encode_rows(rows)
 
     def uhead_status(self) -> str:
         """JSON: whether this rank records, its settings and what it holds now."""
@@ -150,7 +156,7 @@ class UheadCaptureExtension:
             return json.dumps({"recording": False})
         return json.dumps({"recording": True, "settings": rec.settings.to_dict(),
                            "aux_layers": list(rec.aux_layers),
-                           "route": getattr(self.model_runner, _ROUTE_ATTR)[0],
-                           "runner": getattr(self.model_runner, _ROUTE_ATTR)[1], "hidden_size": rec.hidden_size,
+                           "route": getattr(adapters.worker_runner(self), _ROUTE_ATTR)[0],
+                           "runner": getattr(adapters.worker_runner(self), _ROUTE_ATTR)[1], "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error,
                            "vllm_supported": adapters.supported_text()})

@@ -6,6 +6,7 @@ import gc
 import json
 from typing import Any, Iterable
 
+from ..adapters import engine as engine_internals
 from ..adapters.versions import check_vllm_version
 from ..capture.protocol import (
     CAPTURE_KEY,
@@ -56,8 +57,16 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     if backend == "extract":
         from .extract_backend import extract_engine_kwargs
 
-        return LLM(model=model, dtype=dtype, **extract_engine_kwargs(layers, capture_dir, capture_dtype),
-                   **llm_kwargs)
+        try:
+            return LLM(model=model, dtype=dtype, **extract_engine_kwargs(layers, capture_dir, capture_dtype),
+                       **llm_kwargs)
+        except Exception as exc:
+            if "Model Runner V2" in str(exc):  # vLLM 0.26 on GPU: V2 has no extract_hidden_states
+                raise ValueError(
+                    "the 'extract' backend needs vLLM's V1 model runner on this vLLM: set "
+                    "VLLM_USE_V2_MODEL_RUNNER=0 before building the engine, or use backend='aux' "
+                    f"(works on both runners). vLLM said: {exc}") from exc
+            raise
     if backend != "aux":
         raise ValueError(f"backend must be 'aux' or 'extract', got {backend!r}")
     kwargs = capture_engine_kwargs(layers, capture_dtype, max_capture_bytes)
@@ -98,8 +107,14 @@ class CaptureClient:
         return CaptureSettings.from_dict(recording[0]["settings"])
 
     def fetch(self) -> CapturedRows:
-        """Rows recorded since the previous fetch (the worker forgets them)."""
-        payloads = [p for p in self.llm.collective_rpc("uhead_fetch") if p is not None]
+        """Rows recorded since the previous fetch (the worker forgets them). With the engine core
+        in this process the rows are handed over as objects; across processes as safetensors."""
+        inline = engine_internals.worker_in_process(self.llm)
+        payloads = [p for p in self.llm.collective_rpc("uhead_fetch", args=(inline,)) if p is not None]
         if len(payloads) != 1:
             raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
-        return decode_rows(payloads[0])
+        if not inline:
+            return decode_rows(payloads[0])
+        if not isinstance(payloads[0], CapturedRows):
+            raise TypeError(f"in-process capture fetch returned {type(payloads[0]).__name__}")
+        return payloads[0]

@@ -31,6 +31,7 @@ from ..capture.extract_connector import (
     PENDING_SUFFIX,
     parse_stem,
 )
+from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows, CaptureSettings, empty_rows
 
 #: Keys of ``kv_connector_extra_config`` read back by :class:`ExtractClient`.
@@ -71,11 +72,8 @@ def extract_engine_kwargs(layers: Iterable[int], out_dir: str | os.PathLike | No
 
 
 def _connector_extra(llm: Any) -> dict | None:
-    vllm_config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
-    cfg = getattr(vllm_config, "kv_transfer_config", None)
-    if cfg is None or cfg.kv_connector != CONNECTOR_NAME:
-        return None
-    return dict(cfg.kv_connector_extra_config or {})
+    connector = engine_internals.kv_connector(llm)
+    return connector[1] if connector is not None and connector[0] == CONNECTOR_NAME else None
 
 
 def is_extract_engine(llm: Any) -> bool:
@@ -146,22 +144,18 @@ class ExtractClient:
         self.out_dir = Path(extra["shared_storage_path"])
         self.settings = CaptureSettings(layers=tuple(int(k) for k in extra[LAYERS_KEY]),
                                         dtype=extra.get(DTYPE_KEY, "float32"))
-        self.hidden_size = int(llm.llm_engine.vllm_config.model_config.get_hidden_size())
-
-    def _in_process(self) -> bool:
-        # vLLM internals (engine side, 0.32): an in-process engine core only advances when stepped.
-        return type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        self.hidden_size = engine_internals.hidden_size(llm)
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout
-        in_process = self._in_process()
+        in_process = engine_internals.engine_core_in_process(self.llm)
         while list(self.out_dir.glob(f"{FILE_PREFIX}*{PENDING_SUFFIX}")):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"hidden-state files in {self.out_dir} still pending after {self.timeout} s; "
                     "is another caller running requests on this engine?")
             if in_process:
-                self.llm.llm_engine.step()  # lets the worker write finished requests
+                engine_internals.step_engine(self.llm)  # lets the worker write finished requests
             else:
                 time.sleep(0.005)
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows, RequestTag
 from .assembly import place_rows
 from .engine import open_capture_client
@@ -141,7 +142,7 @@ class VllmHiddenStatesGenerator:
         self.client = open_capture_client(self.llm)
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
         self.tokenizer = self.llm.get_tokenizer()
-        self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self.block_size = engine_internals.block_size(self.llm)
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -225,7 +226,7 @@ class VllmHiddenStatesGenerator:
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
-        self._place(seqs, captured, owners)
+        self._place_first_pass(seqs, list(owners), captured)
         if last:
             # The final token is never forwarded in context during generation; a row at its
             # position can only be a speculative draft's (possibly after a rejected token), so
@@ -279,6 +280,46 @@ class VllmHiddenStatesGenerator:
             seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool), out, ro))
         return seqs
 
+    def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows) -> None:
+        """All sequences' rows in one buffer, placed with one vectorised scatter.
+
+        ``seqs[i]`` is the sequence of request tag ``tags[i]``. A captured row is used only where
+        its tag is ours, its position lies inside the sequence and its input token equals the
+        sequence's token there; of several rows for one position the last captured wins (with
+        speculative decoding, rows after a rejected draft are forwarded again). Each sequence's
+        ``rows`` / ``valid`` are views of the shared buffers.
+        """
+        lens = torch.tensor([q.num_rows for q in seqs], dtype=torch.int64)
+        offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        offsets[1:] = lens.cumsum(0)
+        total = int(offsets[-1])
+        if captured.num_rows:
+            hidden_size, dtype = captured.hidden.shape[-1], captured.hidden.dtype
+        else:
+            hidden_size, dtype = self._hidden_size(), self.client.settings.torch_dtype
+        flat = torch.empty((total, len(self.layers), hidden_size), dtype=dtype)
+        valid = torch.zeros(total, dtype=torch.bool)
+        if captured.num_rows and total:
+            seq_tags = torch.tensor(tags, dtype=torch.int64)
+            order = torch.argsort(seq_tags)
+            slot = torch.searchsorted(seq_tags[order], captured.tags).clamp_(max=len(tags) - 1)
+            seq = order[slot]
+            ok = (seq_tags[seq] == captured.tags) & (captured.positions >= 0) & (captured.positions < lens[seq])
+            dest = torch.where(ok, offsets[seq] + captured.positions, 0)
+            expected = torch.cat([q.expected[: q.num_rows] for q in seqs])
+            ok &= captured.token_ids == expected[dest]
+            src = torch.nonzero(ok).flatten()
+            last = torch.full((total,), -1, dtype=torch.int64)
+            last.scatter_reduce_(0, dest[src], src, reduce="amax")
+            hit = last >= 0
+            if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():
+                flat.index_copy_(0, dest, captured.hidden)  # every row used once: one copy
+            else:
+                flat[hit] = captured.hidden[last[hit]]
+            valid = hit
+        for q, a, b in zip(seqs, offsets[:-1].tolist(), offsets[1:].tolist()):
+            q.rows, q.valid = flat[a:b], valid[a:b]
+
     def _alloc(self, q: _Seq, like: torch.Tensor) -> None:
         if q.rows is None:
             q.rows = torch.empty((q.num_rows, *like.shape[1:]), dtype=like.dtype)
@@ -307,7 +348,7 @@ class VllmHiddenStatesGenerator:
                 q.rows = torch.empty((q.num_rows, len(self.layers), H), dtype=dtype)
 
     def _hidden_size(self) -> int:
-        return int(self.llm.llm_engine.vllm_config.model_config.get_hidden_size())
+        return engine_internals.hidden_size(self.llm)
 
     def _recompute_missing(self, seqs: list[_Seq], last: bool, stats: GenerationStats) -> None:
         from vllm import SamplingParams

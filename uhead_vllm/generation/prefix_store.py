@@ -48,15 +48,17 @@ class PrefixRowStore:
     def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor) -> int:
         """Store every full block whose rows are all valid; returns how many blocks were new."""
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
+        if n_blocks == 0:
+            return 0
+        complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
         added = 0
         for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks)):
-            s = slice(b * self.block_size, (b + 1) * self.block_size)
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            if not bool(valid[s].all()):
+            if not complete[b]:
                 continue
-            block = rows[s].clone()
+            block = rows[b * self.block_size : (b + 1) * self.block_size].clone()
             size = block.numel() * block.element_size()
             if size > self.max_bytes:
                 return added
@@ -72,16 +74,23 @@ class PrefixRowStore:
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor) -> int:
         """Fill invalid rows of full blocks from the store in place; returns rows filled."""
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
+        if n_blocks == 0:
+            return 0
+        gaps = (~valid[: n_blocks * self.block_size]).view(n_blocks, self.block_size).any(1)
+        if not bool(gaps.any()):
+            return 0
+        last_gap = int(torch.nonzero(gaps).max())
+        gaps_list = gaps.tolist()
         filled = 0
-        for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks)):
-            s = slice(b * self.block_size, (b + 1) * self.block_size)
-            missing = ~valid[s]
-            if not bool(missing.any()):
+        for b, key in enumerate(block_keys(token_ids, self.block_size, last_gap + 1)):
+            if not gaps_list[b]:
                 continue
             block = self._blocks.get(key)
             if block is None:
                 continue
             self._blocks.move_to_end(key)
+            s = slice(b * self.block_size, (b + 1) * self.block_size)
+            missing = ~valid[s]
             rows[s][missing] = block[missing].to(rows.dtype)
             valid[s] = True
             filled += int(missing.sum())

