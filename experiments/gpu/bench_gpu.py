@@ -125,8 +125,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{args.shape}", args.shape,
                         Path(args.tokenizer), save_weights=False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("UHEAD_COMMIT", "unknown")
+    # The GPU machine gets a copy of the working tree, not the repository: the caller names the commit.
+    commit = os.environ.get("UHEAD_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
             "workload": {"batches_prompts": BATCHES, "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,

@@ -125,7 +125,7 @@ def main() -> None:
     result: dict[str, Any] = {"mode": args.mode, "backend": args.backend, "layers": list(layers),
                               "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                               "vllm": vllm.__version__, "torch": torch.__version__,
-                              "gpu": torch.cuda.get_device_name(0)}
+                              "gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("UHEAD_COMMIT", "")}
     for dtype in dict.fromkeys([args.dtype, "bfloat16"]):
         try:
             result.update(dtype=dtype, **run(args.model, args.mode, args.backend, dtype, layers))
