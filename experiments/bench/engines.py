@@ -107,18 +107,14 @@ class Runner:
         return LLM(model=model, dtype=model_dtype, enforce_eager=eager, **engine)
 
     def _wrap_fetch(self) -> None:
-        """Count the payload bytes of our capture RPC (same two steps as ``CaptureClient.fetch``)."""
-        from uhead_vllm.capture.protocol import decode_rows
-
-        llm = self.llm
+        """Time the generator's own fetch and count the bytes of hidden states it hands over
+        (the payload is an object for an in-process engine, safetensors bytes otherwise)."""
+        inner = self.gen.client.fetch
 
         def fetch() -> Any:
             t0 = time.perf_counter()
-            payloads = [p for p in llm.collective_rpc("uhead_fetch") if p is not None]
-            if len(payloads) != 1:
-                raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
-            rows = decode_rows(payloads[0])
-            self._payload_bytes += len(payloads[0])
+            rows = inner()
+            self._payload_bytes += rows.hidden.numel() * rows.hidden.element_size()
             self._rows_forwarded += rows.num_rows
             self._fetch_seconds += time.perf_counter() - t0
             return rows

@@ -89,6 +89,15 @@ def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> s
             base = by.get("plain-graphs", {}).get("batches", {}).get(str(b * N), {}).get("tok_per_s")
             cells.append(f"{tps:,.0f} ({tps / base:.3f})" if base else f"{tps:,.0f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Where the time goes at the largest batch (seconds, last repeat): inside "
+              "vLLM's generate (forwards + worker-side capture) and, for capture, the fetch of the rows "
+              "and their assembly into per-sample tensors.", "",
+              "| config | vLLM generate | fetch | assembly |", "|---|---|---|---|"]
+    big = str(max(BATCHES) * N)
+    for name, r in by.items():
+        extra = r["batches"][big]["extra"]
+        cells = [extra.get("vllm_generate_seconds"), extra.get("fetch_seconds"), extra.get("assembly_seconds")]
+        lines.append(f"| {name} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     failed = [r for r in results if "batches" not in r]
     for r in failed:
         lines += ["", f"**{r['name']} failed**: {r.get('error', '?')[-500:]}"]

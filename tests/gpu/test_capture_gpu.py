@@ -30,8 +30,16 @@ CONFIGS = [  # (runner, mode, backend)
     ("v2", "eager", "aux"),
     ("v1", "graphs", "aux"),
     ("v1", "eager", "aux"),
-    ("v1", "graphs", "extract"),  # vLLM 0.26's Model Runner V2 refuses extract_hidden_states
 ]
+
+
+def test_extract_backend_is_refused_on_gpu_with_a_reason(tmp_path: Path) -> None:
+    """Measured on an H100 (vLLM 0.26): V2 refuses extract_hidden_states; on V1 the prefix cache
+    could not be reset after generation. The backend is refused before an engine is built."""
+    from uhead_vllm.generation import build_llm
+
+    with pytest.raises(NotImplementedError, match="not supported on GPU.*backend='aux'"):
+        build_llm("unused-model-path", (0,), backend="extract", capture_dir=str(tmp_path))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 
+def platform_is_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 def vllm_config(llm: Any) -> Any:
     return llm.llm_engine.vllm_config
 

@@ -53,20 +53,21 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     """
     from vllm import LLM
 
+    check_vllm_version()
     gc.collect()
     if backend == "extract":
         from .extract_backend import extract_engine_kwargs
 
-        try:
-            return LLM(model=model, dtype=dtype, **extract_engine_kwargs(layers, capture_dir, capture_dtype),
-                       **llm_kwargs)
-        except Exception as exc:
-            if "Model Runner V2" in str(exc):  # vLLM 0.26 on GPU: V2 has no extract_hidden_states
-                raise ValueError(
-                    "the 'extract' backend needs vLLM's V1 model runner on this vLLM: set "
-                    "VLLM_USE_V2_MODEL_RUNNER=0 before building the engine, or use backend='aux' "
-                    f"(works on both runners). vLLM said: {exc}") from exc
-            raise
+        if engine_internals.platform_is_cuda():
+            raise NotImplementedError(
+                "the 'extract' backend is not supported on GPU: vLLM 0.26's Model Runner V2 refuses "
+                "extract_hidden_states, and on the V1 runner the prefix cache could not be reset "
+                "after generation (the connector still held requests), so multi-step use breaks and "
+                "parity was never shown (experiments/results/gpu/parity-v1-graphs-extract.log). Use "
+                "backend='aux': exact with CUDA graphs on both runners")
+
+        return LLM(model=model, dtype=dtype, **extract_engine_kwargs(layers, capture_dir, capture_dtype),
+                   **llm_kwargs)
     if backend != "aux":
         raise ValueError(f"backend must be 'aux' or 'extract', got {backend!r}")
     kwargs = capture_engine_kwargs(layers, capture_dtype, max_capture_bytes)
