@@ -63,6 +63,10 @@ class SampleHiddenStates:
     ``token_ids`` = ``prompt_token_ids`` + ``output_token_ids`` exactly as vLLM ran them. The last
     sampled token is never forwarded by vLLM, so ``hidden`` has ``len(token_ids) - 1`` rows unless
     the last token was computed on request (``compute_last_token=True``).
+
+    ``last_row_missing`` is True when the last row was asked for but cannot exist: the sequence
+    fills ``max_model_len`` and vLLM refuses to forward a prompt that long. Such a sample keeps
+    ``len(token_ids) - 1`` exact rows instead of failing the whole call.
     """
 
     prompt_index: int
@@ -74,6 +78,7 @@ class SampleHiddenStates:
     layers: tuple[int, ...]
     hidden: torch.Tensor  # [rows, L, H]
     steps: list[StepRecord] = field(default_factory=list)
+    last_row_missing: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -112,6 +117,8 @@ class _Seq:
     valid: torch.Tensor
     output: Any  # vLLM CompletionOutput
     request_output: Any
+    last: bool = False  # the last token's row is computed (asked for, and the sequence can be forwarded)
+    last_row_missing: bool = False  # asked for, but the sequence fills max_model_len
 
 
 class VllmHiddenStatesGenerator:
@@ -138,6 +145,7 @@ class VllmHiddenStatesGenerator:
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self.max_model_len = int(self.llm.llm_engine.vllm_config.model_config.max_model_len)
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -226,14 +234,15 @@ class VllmHiddenStatesGenerator:
             # position can only be a speculative draft's (possibly after a rejected token), so
             # it is always computed afresh.
             for q in seqs:
-                q.valid[q.num_rows - 1] = False
-        missing_before = sum(int((~q.valid[: q.num_rows - (1 if last else 0)]).sum()) for q in seqs)
+                if q.last:
+                    q.valid[q.num_rows - 1] = False
+        missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
         stats.prefix_cache_rows = missing_before
         for q in seqs:
             self.store.put(q.expected, q.rows, q.valid)
         for q in seqs:
             stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
-        self._recompute_missing(seqs, last, stats)
+        self._recompute_missing(seqs, stats)
         stats.store_evictions = self.store.evictions - self.stats.store_evictions
         self.stats.add(stats)
         return self._result(prompts, rendered, seqs, stats)
@@ -245,8 +254,12 @@ class VllmHiddenStatesGenerator:
             i, s = owners[tag]
             out = ro.outputs[0]
             expected = torch.tensor(list(ro.prompt_token_ids) + list(out.token_ids), dtype=torch.int64)
-            num_rows = len(expected) - (0 if last else 1)
-            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool), out, ro))
+            # vLLM refuses a prompt of max_model_len tokens, so a sequence that long cannot have
+            # its last token forwarded: flag it rather than lose the call.
+            full = last and len(expected) >= self.max_model_len
+            num_rows = len(expected) - (0 if last and not full else 1)
+            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
+                             out, ro, last=last and not full, last_row_missing=full))
         return seqs
 
     def _alloc(self, q: _Seq, like: torch.Tensor) -> None:
@@ -279,13 +292,13 @@ class VllmHiddenStatesGenerator:
     def _hidden_size(self) -> int:
         return int(self.llm.llm_engine.vllm_config.model_config.get_hidden_size())
 
-    def _recompute_missing(self, seqs: list[_Seq], last: bool, stats: GenerationStats) -> None:
+    def _recompute_missing(self, seqs: list[_Seq], stats: GenerationStats) -> None:
         from vllm import SamplingParams
 
         todo = [q for q in seqs if not bool(q.valid.all())]
         if not todo:
             return
-        gaps = [q for q in todo if not bool(q.valid[: q.num_rows - (1 if last else 0)].all())]
+        gaps = [q for q in todo if not bool(q.valid[: q.num_rows - int(q.last)].all())]
         if gaps and self.strict:
             n = sum(int((~q.valid).sum()) for q in gaps)
             raise MissingRowsError(
@@ -297,7 +310,7 @@ class VllmHiddenStatesGenerator:
         inputs, params, owners = [], [], {}
         for q in todo:
             tag = next(_TAGS)
-            has_gap = not bool(q.valid[: q.num_rows - (1 if last else 0)].all())
+            has_gap = not bool(q.valid[: q.num_rows - int(q.last)].all())
             owners[tag] = q
             inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist()})
             params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=has_gap,
@@ -334,7 +347,7 @@ class VllmHiddenStatesGenerator:
             sample = SampleHiddenStates(
                 prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
                 output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,
-                hidden=q.rows,
+                hidden=q.rows, last_row_missing=q.last_row_missing,
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                                 hidden=q.rows[len(prompt_ids):].clone())
