@@ -54,3 +54,45 @@ def test_compute_last_token_at_max_model_len_keeps_the_call(llm, model_path):
     assert s.hidden.shape[0] == len(s.token_ids)
     assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)
     assert [o.finish_reason for o in res.outputs[0].outputs] == ["length", "length"]
+
+
+def test_concurrent_generate_calls_on_one_engine_keep_their_own_rows(llm, model_path):
+    """Two threads, each with its own generator on the same engine, start together: every call
+    returns its own prompts' outputs with rows equal to Hugging Face's (calls are serialised)."""
+    import threading
+
+    gens = [VllmHiddenStatesGenerator(llm), VllmHiddenStatesGenerator(llm)]
+    prompts = [[SHARED + "3 * 4 =", "red cat"], ["5 + 6 = 11 and", SHARED * 2 + "the mat is"]]
+    rounds = 3
+    barrier = threading.Barrier(2)
+    results: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for r in range(rounds):
+                barrier.wait(timeout=120)
+                sp = SamplingParams(n=2, max_tokens=6 + 2 * k + r, temperature=1.0, seed=10 * k + r)
+                results[k].append(gens[k].generate(prompts[k], sp))
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    for k in range(2):
+        assert len(results[k]) == rounds
+        for r, res in enumerate(results[k]):
+            for i, per in enumerate(res.hidden_states):
+                want = gens[k].tokenizer(prompts[k][i])["input_ids"]
+                assert list(res.outputs[i].prompt_token_ids) == want
+                assert len(per) == 2
+                for s in per:
+                    assert s.prompt_token_ids == want
+                    assert len(s.output_token_ids) == 6 + 2 * k + r
+                    assert s.hidden.shape[0] == len(s.token_ids) - 1
+                    assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -25,6 +27,22 @@ PromptLike = str | list[dict] | dict
 
 #: Capture tags are unique in the process, so generators sharing one engine never collide.
 _TAGS = itertools.count()
+
+_ENGINE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_ENGINE_LOCKS_GUARD = threading.Lock()
+
+
+def engine_lock(llm: Any) -> threading.RLock:
+    """The one lock of ``llm``, shared by every generator on it.
+
+    ``vllm.LLM`` is not thread-safe (two threads stepping one engine crash it or take each other's
+    outputs), and a call drains every row the worker recorded; so calls on one engine take turns.
+    """
+    with _ENGINE_LOCKS_GUARD:
+        lock = _ENGINE_LOCKS.get(llm)
+        if lock is None:
+            lock = _ENGINE_LOCKS[llm] = threading.RLock()
+        return lock
 
 
 class CaptureError(RuntimeError):
@@ -195,7 +213,16 @@ class VllmHiddenStatesGenerator:
         *,
         compute_last_token: bool | None = None,
     ) -> HiddenStatesGeneration:
-        """Run vLLM once over ``prompts`` and return outputs with exact hidden states."""
+        """Run vLLM once over ``prompts`` and return outputs with exact hidden states.
+
+        Thread-safe: concurrent calls on one engine (from this or any other generator) are
+        serialised by the engine's lock (:func:`engine_lock`), each returning its own rows.
+        """
+        with engine_lock(self.llm):
+            return self._generate(prompts, sampling_params, compute_last_token)
+
+    def _generate(self, prompts: Sequence[PromptLike], sampling_params: Any, compute_last_token: bool | None
+                  ) -> HiddenStatesGeneration:
         from vllm import SamplingParams
 
         if isinstance(prompts, (str, dict)):
@@ -358,8 +385,9 @@ class VllmHiddenStatesGenerator:
     # ------------------------------------------------------------------ multi-step control
     def reset_hs_step_cache(self, reset_prefix_cache: bool = True) -> None:
         """Start a new multi-step loop: forget trajectories (and vLLM's prefix cache if asked)."""
-        self.step_cache.clear()
-        if reset_prefix_cache:
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-            self.store.clear()
+        with engine_lock(self.llm):  # never while another thread's requests run
+            self.step_cache.clear()
+            if reset_prefix_cache:
+                if not self.llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+                self.store.clear()
