@@ -2,7 +2,8 @@
 
 cfg: ``head_path`` (the recipe is read from the head, which is also checked against the served
 model here, before any generation) or explicit ``layers`` / ``pooling`` / ``logprob_topk``;
-``split_mode`` (line | sentence).
+``split_mode`` (line | sentence); ``allow_other_weights`` accepts a head trained on other weights
+of the served model's shape (weights fingerprint mismatch).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ def load_stat_calculator(config: Any, environment: Any) -> UheadFeaturesCalculat
     cfg = plain(config)
     split_mode = cfg.pop("split_mode", "line")
     head_path = cfg.pop("head_path", None)
+    allow_other_weights = bool(cfg.pop("allow_other_weights", False))
     if head_path is not None:
         if cfg:
             raise ValueError(f"give head_path or an explicit recipe, not both (got {sorted(cfg)})")
         head_cfg = read_head_config(head_path)
-        check_head_for_model(head_cfg, served_model_identity(environment.model), str(head_path))
+        check_head_for_model(head_cfg, served_model_identity(environment.model), str(head_path), allow_other_weights)
         recipe = head_recipe(head_cfg, str(head_path))
     else:
         recipe = FeatureRecipe(**cfg)

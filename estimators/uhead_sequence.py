@@ -1,6 +1,7 @@
 """``name: estimators.uhead_sequence`` - sequence-level P(wrong) from a saved head.
 
-cfg: ``head_path`` (dir or ``default``), ``reduce`` (auto | whole | max | mean | last), ``name``.
+cfg: ``head_path`` (dir or ``default``), ``reduce`` (auto | whole | max | mean | last), ``name``,
+``allow_other_weights`` (accept a head trained on other weights of the same model shape).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from uhead_vllm.models import (
     embedded_model_path,
     model_identity,
     resolve_model,
+    weights_fingerprint,
 )
 
 USER_MSG = [{"role": "user", "content": "What is 12 + 7?"}]
@@ -101,7 +102,9 @@ def test_model_identity_of_tiny_model(tiny_models):
         "hidden_size": 128,
         "num_hidden_layers": 4,
         "vocab_size": 512,
+        "weights_fingerprint": weights_fingerprint(tiny_models["llama"]),
     }
+    assert ident["weights_fingerprint"].startswith("sha256:")
     assert model_identity(tiny_models["qwen3"])["architecture"] == "Qwen3ForCausalLM"
 
 
@@ -191,6 +194,8 @@ def test_embedded_model_converted_and_reused(embedded_model):
         "hidden_size": 576,
         "num_hidden_layers": 30,
         "vocab_size": 49152,
+        # the conversion reproduces the weights the shipped head was trained on, byte for byte
+        "weights_fingerprint": "sha256:bb7cf4441ebb03ff185daa22606ed1758a2c0478d0931df67e7ee3a65adb5679",
     }
     tok = _load_tokenizer(embedded_model)
     text = tok.apply_chat_template(USER_MSG, tokenize=False, add_generation_prompt=True)

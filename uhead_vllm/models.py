@@ -267,8 +267,64 @@ def resolve_model(name_or_path: str | Path | None, cache_dir: str | Path | None 
     )
 
 
+#: Bytes of each tensor that enter the weights fingerprint (read at evenly spaced offsets).
+FINGERPRINT_CHUNK = 4096
+FINGERPRINT_CHUNKS = 16
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the file offset where its data starts."""
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def weights_fingerprint(path: str | Path) -> str | None:
+    """Fingerprint of the weights in a model folder's ``*.safetensors`` files; None if it has none.
+
+    sha256 over every tensor, in name order: its name, dtype, shape and up to 64 KiB of its bytes
+    read at evenly spaced offsets. Names, not files, are hashed, so re-sharding keeps the value;
+    any fine-tune changes the sampled bytes of every tensor it trains; and the cost does not grow
+    with model size (a few reads per tensor), so checking a head on load stays cheap.
+    The same weights stored in another dtype give another fingerprint.
+    """
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    tensors: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+    for f in files:
+        header, data_start = _safetensors_header(f)
+        for name, info in header.items():
+            tensors[name] = (f, data_start, info)
+    digest = hashlib.sha256()
+    handles: dict[Path, Any] = {}
+    try:
+        for name in sorted(tensors):
+            f, data_start, info = tensors[name]
+            begin, end = (int(x) for x in info["data_offsets"])
+            digest.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+            fh = handles.get(f) or handles.setdefault(f, f.open("rb"))
+            size = end - begin
+            if size <= FINGERPRINT_CHUNK * FINGERPRINT_CHUNKS:
+                offsets, length = [0], size
+            else:
+                step = (size - FINGERPRINT_CHUNK) // (FINGERPRINT_CHUNKS - 1)
+                offsets, length = [i * step for i in range(FINGERPRINT_CHUNKS)], FINGERPRINT_CHUNK
+            for off in offsets:
+                fh.seek(data_start + begin + off)
+                digest.update(fh.read(length))
+    finally:
+        for fh in handles.values():
+            fh.close()
+    return "sha256:" + digest.hexdigest()
+
+
 def model_identity(path: str | Path) -> dict[str, Any]:
-    """The few config facts a trained head depends on, to check it matches a model."""
+    """The few config facts a trained head depends on, to check it matches a model, and the
+    fingerprint of its weights (:func:`weights_fingerprint`), so that other weights under the
+    same name and shapes (a fine-tune) are told apart."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
@@ -283,6 +339,7 @@ def model_identity(path: str | Path) -> dict[str, Any]:
         "hidden_size": text_cfg["hidden_size"],
         "num_hidden_layers": text_cfg["num_hidden_layers"],
         "vocab_size": text_cfg["vocab_size"],
+        "weights_fingerprint": weights_fingerprint(path),
     }
 
 
@@ -496,4 +553,5 @@ __all__ = [
     "embedded_model_path",
     "model_identity",
     "resolve_model",
+    "weights_fingerprint",
 ]

@@ -21,6 +21,10 @@ def block_size(llm: Any) -> int:
     return int(vllm_config(llm).cache_config.block_size)
 
 
+def max_model_len(llm: Any) -> int:
+    return int(vllm_config(llm).model_config.max_model_len)
+
+
 def hidden_size(llm: Any) -> int:
     return int(vllm_config(llm).model_config.get_hidden_size())
 

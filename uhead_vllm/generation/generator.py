@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -27,6 +29,22 @@ PromptLike = str | list[dict] | dict
 
 #: Capture tags are unique in the process, so generators sharing one engine never collide.
 _TAGS = itertools.count()
+
+_ENGINE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_ENGINE_LOCKS_GUARD = threading.Lock()
+
+
+def engine_lock(llm: Any) -> threading.RLock:
+    """The one lock of ``llm``, shared by every generator on it.
+
+    ``vllm.LLM`` is not thread-safe (two threads stepping one engine crash it or take each other's
+    outputs), and a call drains every row the worker recorded; so calls on one engine take turns.
+    """
+    with _ENGINE_LOCKS_GUARD:
+        lock = _ENGINE_LOCKS.get(llm)
+        if lock is None:
+            lock = _ENGINE_LOCKS[llm] = threading.RLock()
+        return lock
 
 
 class CaptureError(RuntimeError):
@@ -68,6 +86,10 @@ class SampleHiddenStates:
     ``token_ids`` = ``prompt_token_ids`` + ``output_token_ids`` exactly as vLLM ran them. The last
     sampled token is never forwarded by vLLM, so ``hidden`` has ``len(token_ids) - 1`` rows unless
     the last token was computed on request (``compute_last_token=True``).
+
+    ``last_row_missing`` is True when the last row was asked for but cannot exist: the sequence
+    fills ``max_model_len`` and vLLM refuses to forward a prompt that long. Such a sample keeps
+    ``len(token_ids) - 1`` exact rows instead of failing the whole call.
     """
 
     prompt_index: int
@@ -79,6 +101,7 @@ class SampleHiddenStates:
     layers: tuple[int, ...]
     hidden: torch.Tensor  # [rows, L, H]
     steps: list[StepRecord] = field(default_factory=list)
+    last_row_missing: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -117,6 +140,8 @@ class _Seq:
     valid: torch.Tensor
     output: Any  # vLLM CompletionOutput
     request_output: Any
+    last: bool = False  # the last token's row is computed (asked for, and the sequence can be forwarded)
+    last_row_missing: bool = False  # asked for, but the sequence fills max_model_len
 
 
 class VllmHiddenStatesGenerator:
@@ -143,6 +168,7 @@ class VllmHiddenStatesGenerator:
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = engine_internals.block_size(self.llm)
+        self.max_model_len = engine_internals.max_model_len(self.llm)
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -192,7 +218,16 @@ class VllmHiddenStatesGenerator:
         *,
         compute_last_token: bool | None = None,
     ) -> HiddenStatesGeneration:
-        """Run vLLM once over ``prompts`` and return outputs with exact hidden states."""
+        """Run vLLM once over ``prompts`` and return outputs with exact hidden states.
+
+        Thread-safe: concurrent calls on one engine (from this or any other generator) are
+        serialised by the engine's lock (:func:`engine_lock`), each returning its own rows.
+        """
+        with engine_lock(self.llm):
+            return self._generate(prompts, sampling_params, compute_last_token)
+
+    def _generate(self, prompts: Sequence[PromptLike], sampling_params: Any, compute_last_token: bool | None
+                  ) -> HiddenStatesGeneration:
         from vllm import SamplingParams
 
         if isinstance(prompts, (str, dict)):
@@ -232,14 +267,15 @@ class VllmHiddenStatesGenerator:
             # position can only be a speculative draft's (possibly after a rejected token), so
             # it is always computed afresh.
             for q in seqs:
-                q.valid[q.num_rows - 1] = False
-        missing_before = sum(int((~q.valid[: q.num_rows - (1 if last else 0)]).sum()) for q in seqs)
+                if q.last:
+                    q.valid[q.num_rows - 1] = False
+        missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
         stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
         for q in seqs:
             self.store.put(q.expected, q.rows, q.valid)
         for q in seqs:
             stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
-        self._recompute_missing(seqs, last, stats)
+        self._recompute_missing(seqs, stats)
         stats.store_evictions = self.store.evictions - self.stats.store_evictions
         self.stats.add(stats)
         return self._result(prompts, rendered, seqs, stats)
@@ -276,8 +312,12 @@ class VllmHiddenStatesGenerator:
             i, s = owners[tag]
             out = ro.outputs[0]
             expected = torch.tensor(list(ro.prompt_token_ids) + list(out.token_ids), dtype=torch.int64)
-            num_rows = len(expected) - (0 if last else 1)
-            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool), out, ro))
+            # vLLM refuses a prompt of max_model_len tokens, so a sequence that long cannot have
+            # its last token forwarded: flag it rather than lose the call.
+            full = last and len(expected) >= self.max_model_len
+            num_rows = len(expected) - (0 if last and not full else 1)
+            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
+                             out, ro, last=last and not full, last_row_missing=full))
         return seqs
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows) -> None:
@@ -350,13 +390,13 @@ class VllmHiddenStatesGenerator:
     def _hidden_size(self) -> int:
         return engine_internals.hidden_size(self.llm)
 
-    def _recompute_missing(self, seqs: list[_Seq], last: bool, stats: GenerationStats) -> None:
+    def _recompute_missing(self, seqs: list[_Seq], stats: GenerationStats) -> None:
         from vllm import SamplingParams
 
         todo = [q for q in seqs if not bool(q.valid.all())]
         if not todo:
             return
-        gaps = [q for q in todo if not bool(q.valid[: q.num_rows - (1 if last else 0)].all())]
+        gaps = [q for q in todo if not bool(q.valid[: q.num_rows - int(q.last)].all())]
         if gaps and self.strict:
             n = sum(int((~q.valid).sum()) for q in gaps)
             raise MissingRowsError(
@@ -368,7 +408,7 @@ class VllmHiddenStatesGenerator:
         inputs, params, owners = [], [], {}
         for q in todo:
             tag = next(_TAGS)
-            has_gap = not bool(q.valid[: q.num_rows - (1 if last else 0)].all())
+            has_gap = not bool(q.valid[: q.num_rows - int(q.last)].all())
             owners[tag] = q
             inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist()})
             params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=has_gap,
@@ -405,7 +445,7 @@ class VllmHiddenStatesGenerator:
             sample = SampleHiddenStates(
                 prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
                 output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,
-                hidden=q.rows,
+                hidden=q.rows, last_row_missing=q.last_row_missing,
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                                 hidden=q.rows[len(prompt_ids):].clone())
@@ -416,8 +456,9 @@ class VllmHiddenStatesGenerator:
     # ------------------------------------------------------------------ multi-step control
     def reset_hs_step_cache(self, reset_prefix_cache: bool = True) -> None:
         """Start a new multi-step loop: forget trajectories (and vLLM's prefix cache if asked)."""
-        self.step_cache.clear()
-        if reset_prefix_cache:
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-            self.store.clear()
+        with engine_lock(self.llm):  # never while another thread's requests run
+            self.step_cache.clear()
+            if reset_prefix_cache:
+                if not self.llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+                self.store.clear()

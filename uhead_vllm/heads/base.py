@@ -9,6 +9,7 @@ metadata, human readable) + ``weights.safetensors`` (plain tensors; never pickle
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 FORMAT_VERSION = 1
 IDENTITY_KEYS: tuple[str, ...] = ("name", "architecture", "hidden_size", "num_hidden_layers")
+FINGERPRINT_KEY = "weights_fingerprint"
+#: Set to 1 to accept a head trained on other weights of the same model shape (see check_weights).
+ALLOW_OTHER_WEIGHTS_ENV = "UHEAD_VLLM_ALLOW_OTHER_WEIGHTS"
 
 H = TypeVar("H", bound="UncertaintyHead")
 StepsLike = Sequence[torch.Tensor | np.ndarray]
@@ -70,10 +74,40 @@ def identity_from_hf_config(name: str, hf_config: Any) -> dict[str, Any]:
     }
 
 
+def check_weights(saved_id: dict[str, Any], expect_id: dict[str, Any], allow_other_weights: bool = False) -> None:
+    """Refuse a head trained on other weights than the model's (same name and shapes, e.g. a
+    fine-tune): its hidden states differ, so the head's scores would be plausible nonsense.
+
+    Checked only when both sides carry a fingerprint key (heads saved before fingerprints existed
+    have none and are accepted). ``allow_other_weights`` or ``$UHEAD_VLLM_ALLOW_OTHER_WEIGHTS=1``
+    skips the check, for people who know the head transfers.
+    """
+    have = saved_id.get(FINGERPRINT_KEY)
+    if not have or FINGERPRINT_KEY not in expect_id:
+        return
+    if allow_other_weights or os.environ.get(ALLOW_OTHER_WEIGHTS_ENV, "") not in ("", "0"):
+        return
+    want = expect_id[FINGERPRINT_KEY]
+    override = (f"pass allow_other_weights=True (CLI: --allow-other-weights; or set "
+                f"{ALLOW_OTHER_WEIGHTS_ENV}=1) only if you know the head transfers")
+    if want is None:
+        raise HeadMismatchError(
+            f"head was trained on weights {have} of {saved_id.get('name')!r}, but the model's weights "
+            f"cannot be fingerprinted (no .safetensors files); {override}"
+        )
+    if want != have:
+        raise HeadMismatchError(
+            f"head was trained on other weights of model {saved_id.get('name')!r} (fingerprint {have}, "
+            f"this model's is {want}): a fine-tune or another checkpoint under the same name and "
+            f"shapes gives other hidden states. Use a head trained on these weights, or {override}"
+        )
+
+
 def check_compatible(
     config: HeadConfig,
     expect_model_identity: dict[str, Any] | None = None,
     expect_layers: Sequence[int] | None = None,
+    allow_other_weights: bool = False,
 ) -> None:
     """Raise :class:`HeadMismatchError` naming saved vs expected values on any disagreement."""
     saved_id = config.model_identity or {}
@@ -86,6 +120,7 @@ def check_compatible(
                 raise HeadMismatchError(
                     f"head was trained for model {key}={have!r} but expected {key}={want!r}"
                 )
+        check_weights(saved_id, expect_model_identity, allow_other_weights)
     if expect_layers is not None and (config.layers is None or list(config.layers) != [int(x) for x in expect_layers]):
         raise HeadMismatchError(f"head was trained on layers {config.layers} but expected layers {list(expect_layers)}")
     # Feature size implied by recipe and hidden size must be what the weights take.
@@ -209,9 +244,11 @@ class UncertaintyHead(ABC):
         directory: str | Path,
         expect_model_identity: dict[str, Any] | None = None,
         expect_layers: Sequence[int] | None = None,
+        allow_other_weights: bool = False,
     ) -> H:
-        """Load a saved head, verifying model identity, layers and feature size; dispatches on
-        the saved head type when called on the base class."""
+        """Load a saved head, verifying model identity (weights fingerprint included, see
+        :func:`check_weights`), layers and feature size; dispatches on the saved head type when
+        called on the base class."""
         path = Path(directory)
         config = HeadConfig.load(path / CONFIG_FILE)
         head_cls = UncertaintyHead._registry.get(config.head_type)
@@ -221,7 +258,7 @@ class UncertaintyHead(ABC):
             )
         if not issubclass(head_cls, cls):
             raise HeadMismatchError(f"{path} holds a {config.head_type!r} head, not a {cls.__name__}")
-        check_compatible(config, expect_model_identity, expect_layers)
+        check_compatible(config, expect_model_identity, expect_layers, allow_other_weights)
         head = head_cls(recipe=config.recipe, model_identity=config.model_identity, **config.hyperparameters)
         head._set_weights(load_file(str(path / WEIGHTS_FILE)), config.n_features)
         head.n_features_in_ = config.n_features

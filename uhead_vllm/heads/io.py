@@ -25,14 +25,16 @@ def load_head(
     directory: str | Path,
     expect_model_identity: dict[str, Any] | None = None,
     expect_layers: Sequence[int] | None = None,
+    allow_other_weights: bool = False,
 ) -> UncertaintyHead:
     """Load the head saved in ``directory`` whatever its type, with the same checks as ``load``."""
-    return UncertaintyHead.load(directory, expect_model_identity, expect_layers)
+    return UncertaintyHead.load(directory, expect_model_identity, expect_layers, allow_other_weights)
 
 
-def load_head_for_model(head_dir: str | Path | None, model_path: str | Path) -> UncertaintyHead:
+def load_head_for_model(head_dir: str | Path | None, model_path: str | Path,
+                        allow_other_weights: bool = False) -> UncertaintyHead:
     """Load the head in ``head_dir`` (None: :func:`default_head_dir`) and check it was trained on
-    the model in ``model_path`` (:class:`HeadMismatchError` if not)."""
+    the model in ``model_path``, its weights included (:class:`HeadMismatchError` if not)."""
     from ..models import model_identity
 
     path = Path(head_dir).expanduser() if head_dir is not None else default_head_dir()
@@ -41,4 +43,4 @@ def load_head_for_model(head_dir: str | Path | None, model_path: str | Path) -> 
             f"no uncertainty head at {path} (config.json missing): train one with `uhead-vllm train` "
             f"(or `uhead-vllm study`), or point head_dir / ${HEAD_DIR_ENV} at a saved head"
         )
-    return load_head(path, expect_model_identity=model_identity(model_path))
+    return load_head(path, expect_model_identity=model_identity(model_path), allow_other_weights=allow_other_weights)

@@ -22,8 +22,10 @@ class _HeadEstimator(Estimator):
     """Loads the head at construction (so a bad path fails before any generation) and checks it
     against the served model and the features' recipe on the first batch."""
 
-    def __init__(self, head_path: str | Path, stats: list[str], level: str, name: str):
+    def __init__(self, head_path: str | Path, stats: list[str], level: str, name: str,
+                 allow_other_weights: bool = False):
         self.head, self.head_dir = load_checked_head(head_path)
+        self.allow_other_weights = allow_other_weights
         if self.head.recipe is None:
             raise HeadMismatchError(f"head {self.head_dir} has no feature recipe; save heads with recipe=FeatureRecipe(...)")
         self.name = name
@@ -36,7 +38,8 @@ class _HeadEstimator(Estimator):
     def _check(self, stats: dict[str, Any]) -> None:
         if self._checked:
             return
-        check_head_for_model(self.head.config(), stats["uhead_model_identity"], str(self.head_dir))
+        check_head_for_model(self.head.config(), stats["uhead_model_identity"], str(self.head_dir),
+                             self.allow_other_weights)
         got = FeatureRecipe.from_dict(stats["uhead_feature_recipe"])
         if got != self.head.recipe:
             raise HeadMismatchError(
@@ -62,8 +65,10 @@ class UHeadSequence(_HeadEstimator):
     ``auto`` picks ``max`` if the head's training summary says ``level: step``, else ``whole``.
     """
 
-    def __init__(self, head_path: str | Path = "default", reduce: str = "auto", name: str = "UHead"):
-        super().__init__(head_path, ["uhead_sequence_features", "uhead_claim_features"], "sequence", name)
+    def __init__(self, head_path: str | Path = "default", reduce: str = "auto", name: str = "UHead",
+                 allow_other_weights: bool = False):
+        super().__init__(head_path, ["uhead_sequence_features", "uhead_claim_features"], "sequence", name,
+                         allow_other_weights)
         if reduce == "auto":
             reduce = "max" if self.head.training_summary_.get("level") == "step" else "whole"
         if reduce not in REDUCTIONS:
@@ -85,8 +90,8 @@ class UHeadSequence(_HeadEstimator):
 class UHeadClaim(_HeadEstimator):
     """Claim-level P(wrong), one value per claim (step) of each answer."""
 
-    def __init__(self, head_path: str | Path = "default", name: str = "UHeadClaim"):
-        super().__init__(head_path, ["uhead_claim_features", "claims"], "claim", name)
+    def __init__(self, head_path: str | Path = "default", name: str = "UHeadClaim", allow_other_weights: bool = False):
+        super().__init__(head_path, ["uhead_claim_features", "claims"], "claim", name, allow_other_weights)
 
     def __call__(self, stats: dict[str, Any]) -> list[list[float]]:
         self._check(stats)

@@ -62,10 +62,11 @@ def served_model_identity(model: Any) -> dict[str, Any]:
     return identity_from_hf_config(str(llm.model_config.model), llm.model_config.hf_config)
 
 
-def check_head_for_model(config: HeadConfig, identity: dict[str, Any], where: str = "") -> None:
-    """Raise :class:`HeadMismatchError` if the head was trained for another model."""
+def check_head_for_model(config: HeadConfig, identity: dict[str, Any], where: str = "",
+                         allow_other_weights: bool = False) -> None:
+    """Raise :class:`HeadMismatchError` if the head was trained for another model (or other weights)."""
     try:
-        check_compatible(config, expect_model_identity=identity)
+        check_compatible(config, expect_model_identity=identity, allow_other_weights=allow_other_weights)
     except HeadMismatchError as exc:
         raise HeadMismatchError(
             f"head {where} does not fit the served model {identity.get('name')!r}: {exc}. Use a head "

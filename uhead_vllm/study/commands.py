@@ -223,15 +223,17 @@ def run_study(out: str | Path = "experiments/results/study", *, model: str | Non
 
 def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, model: str | None = None,
            max_tokens: int | None = None, threads: int | None = 1, as_json: bool = False,
-           generator: Any = None, file: Any = None) -> list[Any]:
-    """The main job: answer ``questions`` with the model and print per-step / per-answer P(wrong)."""
+           generator: Any = None, file: Any = None, allow_other_weights: bool = False) -> list[Any]:
+    """The main job: answer ``questions`` with the model and print per-step / per-answer P(wrong).
+
+    ``allow_other_weights`` accepts a head trained on other weights of the same model shape."""
     from ..heads import load_head_for_model
     from .answer import answer_questions, check_questions, format_table
 
     check_questions(questions)
     set_threads(threads)
     path = _model_path(model)
-    head = load_head_for_model(head_dir, path)
+    head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
     gen = generator if generator is not None else _generator(path, head.recipe.layers)
     scored = answer_questions(list(questions), gen, head, max_tokens)
     file = file or sys.stdout
@@ -300,7 +302,7 @@ def _cmd_answer(args: argparse.Namespace) -> None:
 
         questions = list(EXAMPLE_QUESTIONS)
     answer(questions, args.head, model=args.model, max_tokens=args.max_tokens, threads=args.threads,
-           as_json=args.json)
+           as_json=args.json, allow_other_weights=args.allow_other_weights)
 
 
 def register(subparsers: Any) -> None:
@@ -365,6 +367,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="must be the model the head was trained on")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--allow-other-weights", action="store_true",
+                   help="accept a head trained on other weights of this model shape (fingerprint mismatch)")
     _common(p)
     p.set_defaults(func=_cmd_answer)
 

@@ -34,6 +34,7 @@ def build_uhead_model(
     llm_kwargs: dict[str, Any] | None = None,
     generator_kwargs: dict[str, Any] | None = None,
     seed: int = 0,
+    allow_other_weights: bool = False,
     **model_kwargs: Any,
 ) -> UHeadVLLMModel:
     """Engine capturing the head's layers (or ``layers``) + generator + model with ``scorer``.
@@ -43,7 +44,7 @@ def build_uhead_model(
     from ..generation import VllmHiddenStatesGenerator, build_llm
 
     path = resolve_model(model)
-    head = load_step_head(head_dir, path) if (scorer == "head" or layers is None) else None
+    head = load_step_head(head_dir, path, allow_other_weights) if (scorer == "head" or layers is None) else None
     capture = list(layers) if layers is not None else list(head.recipe.layers)
     llm = build_llm(str(path), capture, **(llm_kwargs or {}))
     gen = VllmHiddenStatesGenerator(llm, **(generator_kwargs or {}))

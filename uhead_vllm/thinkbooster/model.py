@@ -234,7 +234,8 @@ class UHeadVLLMModel:
             have = 0 if handle.hidden is None else handle.hidden.shape[0]
             if span.end > have:
                 raise ValueError(f"step {span} needs rows up to generated token {span.end - 1} but only "
-                                 f"{have} exist; build UHeadVLLMModel with compute_last_token=True")
+                                 f"{have} exist; build UHeadVLLMModel with compute_last_token=True (a candidate "
+                                 "that fills max_model_len has no row for its last token)")
         step = CandidateStep(handle.output_token_ids, span, handle.hidden, handle.layers, handle.logprobs)
         u = float(self.estimator.uncertainty(step))
         if not math.isfinite(u) or u < 0:
