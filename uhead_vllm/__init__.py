@@ -1,10 +1,13 @@
 """uhead_vllm: exact single-pass hidden-state capture in vLLM, and uncertainty heads on top of it.
 
-Worker side (inside vLLM): :mod:`uhead_vllm.capture`. Engine side: :mod:`uhead_vllm.generation`.
-Heads and features: :mod:`uhead_vllm.heads`, :mod:`uhead_vllm.features`.
+The names below are the public API. Layers of the package: worker side inside vLLM
+(:mod:`uhead_vllm.capture`), vLLM-version adapters (:mod:`uhead_vllm.adapters`), engine side
+(:mod:`uhead_vllm.generation`), features and heads (:mod:`uhead_vllm.features`,
+:mod:`uhead_vllm.heads`), integrations (:mod:`uhead_vllm.polygraph`,
+:mod:`uhead_vllm.thinkbooster`) and the research pipeline (:mod:`uhead_vllm.study`).
 """
 
-from .capture.protocol import CaptureSettings, CapturedRows, RequestTag
+from .adapters.versions import SUPPORTED_VLLM, UnsupportedVllmError
 from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
 from .generation import (
     CaptureError,
@@ -12,9 +15,7 @@ from .generation import (
     GenerationStats,
     HiddenStatesGeneration,
     MissingRowsError,
-    PrefixRowStore,
     SampleHiddenStates,
-    StepCache,
     StepRecord,
     VllmHiddenStatesGenerator,
     build_llm,
@@ -24,6 +25,7 @@ from .heads import (
     AttentionPoolingHead,
     HeadMismatchError,
     LinearProbeHead,
+    UncertaintyHead,
     default_head_dir,
     load_head,
     load_head_for_model,
@@ -33,11 +35,15 @@ from .models import embedded_model_path, model_identity, resolve_model
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureSettings", "CapturedRows", "RequestTag", "FeatureRecipe", "StepSpan", "split_steps",
-    "step_token_features", "CaptureError", "CaptureNotInstalledError", "GenerationStats",
-    "HiddenStatesGeneration", "MissingRowsError", "PrefixRowStore", "SampleHiddenStates", "StepCache",
-    "StepRecord", "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs",
-    "AttentionPoolingHead", "HeadMismatchError", "LinearProbeHead", "default_head_dir", "load_head",
-    "load_head_for_model", "embedded_model_path",
-    "model_identity", "resolve_model",
+    # generation with exact hidden states
+    "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs", "HiddenStatesGeneration",
+    "SampleHiddenStates", "StepRecord", "GenerationStats",
+    # errors
+    "CaptureError", "CaptureNotInstalledError", "MissingRowsError", "UnsupportedVllmError",
+    "HeadMismatchError",
+    # features and heads
+    "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",
+    "LinearProbeHead", "AttentionPoolingHead", "load_head", "load_head_for_model", "default_head_dir",
+    # models and versions
+    "embedded_model_path", "model_identity", "resolve_model", "SUPPORTED_VLLM",
 ]

@@ -1,0 +1,20 @@
+"""The public API is the small set the README documents, and nothing else leaks through ``*``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import uhead_vllm
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_star_import_gives_exactly_the_documented_names() -> None:
+    namespace: dict = {}
+    exec("from uhead_vllm import *", namespace)
+    exported = {k for k in namespace if not k.startswith("__")}
+    assert exported == set(uhead_vllm.__all__)
+    section = README.read_text().split("Public API:", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"`([A-Za-z_]+)`", section))
+    assert documented == exported, (sorted(documented - exported), sorted(exported - documented))
