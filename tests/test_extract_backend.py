@@ -18,7 +18,7 @@ from reference import assert_rows_match, relative_error
 from uhead_vllm.capture.extract_connector import ERROR_SUFFIX, request_stem
 from uhead_vllm.capture.protocol import RequestTag
 from uhead_vllm.generation import CaptureError, VllmHiddenStatesGenerator, build_llm
-from uhead_vllm.generation.extract_backend import ExtractClient, extract_engine_kwargs, read_results
+from uhead_vllm.generation.backends.extract import ExtractClient, extract_engine_kwargs, read_results
 
 LAYERS = (4, 0, 2)  # unsorted on purpose: vLLM emits aux layers ascending, we restore the order
 SHARED = "the cat sat on the mat and 12 + 7 = 19 so the dog ran. "

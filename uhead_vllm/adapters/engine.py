@@ -21,6 +21,12 @@ def block_size(llm: Any) -> int:
     return int(vllm_config(llm).cache_config.block_size)
 
 
+def additional_config(llm: Any) -> dict:
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    extra = getattr(cfg, "additional_config", None)
+    return extra if isinstance(extra, dict) else {}
+
+
 def max_model_len(llm: Any) -> int:
     return int(vllm_config(llm).model_config.max_model_len)
 

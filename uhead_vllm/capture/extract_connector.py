@@ -14,7 +14,7 @@ Files, one per tagged request, in ``shared_storage_path``:
 - ``uhead-{tag}-{sample}.error``: text, written instead when extraction or the write fails.
 
 Load it with ``kv_transfer_config={"kv_connector": CONNECTOR_NAME, "kv_connector_module_path":
-CONNECTOR_MODULE, ...}`` (``uhead_vllm.generation.extract_backend.extract_engine_kwargs``).
+CONNECTOR_MODULE, ...}`` (``uhead_vllm.generation.backends.extract.extract_engine_kwargs``).
 """
 
 from __future__ import annotations

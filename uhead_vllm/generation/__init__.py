@@ -1,6 +1,8 @@
 """Engine side: builds capturing engines, assembles exact rows, caches prefixes and steps."""
 
-from .engine import CaptureClient, CaptureNotInstalledError, build_llm, capture_engine_kwargs
+from .backends import BACKENDS, CaptureNotInstalledError, capture_engine_kwargs, open_capture_client
+from .backends import AuxClient as CaptureClient
+from .engine import build_llm
 from .generator import (
     CaptureError,
     GenerationStats,
@@ -13,7 +15,7 @@ from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 
 __all__ = [
-    "CaptureClient", "CaptureNotInstalledError", "build_llm", "capture_engine_kwargs", "CaptureError",
+    "BACKENDS", "CaptureClient", "CaptureNotInstalledError", "open_capture_client", "build_llm", "capture_engine_kwargs", "CaptureError",
     "GenerationStats", "HiddenStatesGeneration", "MissingRowsError", "SampleHiddenStates",
     "VllmHiddenStatesGenerator", "PrefixRowStore", "StepCache", "StepRecord",
 ]

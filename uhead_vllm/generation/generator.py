@@ -21,7 +21,7 @@ import torch
 from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows, RequestTag
 from .assembly import place_rows
-from .engine import open_capture_client
+from .backends import open_capture_client
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 

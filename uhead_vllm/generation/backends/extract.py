@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
-from ..capture.extract_connector import (
+from ...capture.extract_connector import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     DATA_SUFFIX,
@@ -31,8 +31,8 @@ from ..capture.extract_connector import (
     PENDING_SUFFIX,
     parse_stem,
 )
-from ..adapters import engine as engine_internals
-from ..capture.protocol import CapturedRows, CaptureSettings, empty_rows
+from ...adapters import engine as engine_internals
+from ...capture.protocol import CapturedRows, CaptureSettings, empty_rows
 
 #: Keys of ``kv_connector_extra_config`` read back by :class:`ExtractClient`.
 LAYERS_KEY = "uhead_layers"
@@ -166,4 +166,28 @@ class ExtractClient:
                             self.hidden_size)
 
 
-__all__ = ["extract_engine_kwargs", "is_extract_engine", "read_results", "ExtractClient"]
+class ExtractBackend:
+    name = "extract"
+
+    def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
+                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None) -> dict[str, Any]:
+        if engine_internals.platform_is_cuda():
+            raise NotImplementedError(
+                "the 'extract' backend is not supported on GPU: vLLM 0.26's Model Runner V2 refuses "
+                "extract_hidden_states, and on the V1 runner the prefix cache could not be reset "
+                "after generation (the connector still held requests), so multi-step use breaks and "
+                "parity was never shown (experiments/results/gpu/parity-v1-graphs-extract.log). Use "
+                "backend='aux': exact with CUDA graphs on both runners")
+        return extract_engine_kwargs(layers, capture_dir, capture_dtype)
+
+    def owns(self, llm: Any) -> bool:
+        return is_extract_engine(llm)
+
+    def open_client(self, llm: Any) -> ExtractClient:
+        return ExtractClient(llm)
+
+
+EXTRACT = ExtractBackend()
+
+__all__ = ["EXTRACT", "ExtractBackend", "ExtractClient", "extract_engine_kwargs", "is_extract_engine",
+           "read_results"]

@@ -1,0 +1,94 @@
+"""The default backend: the uhead_vllm worker extension records aux hidden states at the
+model-runner level (``uhead_vllm.capture``); rows come back through ``collective_rpc``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from ...adapters import engine as engine_internals
+from ...adapters.versions import check_vllm_version
+from ...capture.protocol import (
+    CAPTURE_KEY,
+    EXTENSION_QUALNAME,
+    CapturedRows,
+    CaptureSettings,
+    decode_rows,
+)
+
+
+class CaptureNotInstalledError(RuntimeError):
+    """The vLLM engine was built without the uhead_vllm worker extension."""
+
+
+def capture_engine_kwargs(
+    layers: Iterable[int], dtype: str = "float32", max_bytes: int = 4 << 30
+) -> dict[str, Any]:
+    """Keyword arguments to merge into ``vllm.LLM(...)`` so its workers capture ``layers``.
+
+    Layers are fixed at engine construction because compiled mode bakes them into the graph.
+    Raises ``UnsupportedVllmError`` for a vLLM outside the checked versions.
+    """
+    check_vllm_version()
+    settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype, max_bytes=max_bytes)
+    return {
+        "worker_extension_cls": EXTENSION_QUALNAME,
+        "additional_config": {CAPTURE_KEY: settings.to_dict()},
+    }
+
+
+class AuxClient:
+    """Talks to the capture extension through ``collective_rpc``."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self.settings = self._read_settings()
+
+    def _read_settings(self) -> CaptureSettings:
+        try:
+            statuses = self.llm.collective_rpc("uhead_status")
+        except Exception as exc:  # vLLM raises AttributeError/RuntimeError variants
+            raise CaptureNotInstalledError(
+                "this vLLM engine has no uhead_vllm capture extension; build it with "
+                "uhead_vllm.build_llm(...) or pass **uhead_vllm.capture_engine_kwargs(layers) to "
+                f"vllm.LLM ({exc})"
+            ) from exc
+        recording = [json.loads(s) for s in statuses if json.loads(s).get("recording")]
+        if len(recording) != 1:
+            raise CaptureNotInstalledError(
+                f"expected exactly one recording worker rank, found {len(recording)}: pass "
+                "capture_engine_kwargs(layers) (additional_config) when building vllm.LLM"
+            )
+        return CaptureSettings.from_dict(recording[0]["settings"])
+
+    def fetch(self) -> CapturedRows:
+        """Rows recorded since the previous fetch (the worker forgets them). With the engine core
+        in this process the rows are handed over as objects; across processes as safetensors."""
+        inline = engine_internals.worker_in_process(self.llm)
+        payloads = [p for p in self.llm.collective_rpc("uhead_fetch", args=(inline,)) if p is not None]
+        if len(payloads) != 1:
+            raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
+        if not inline:
+            return decode_rows(payloads[0])
+        if not isinstance(payloads[0], CapturedRows):
+            raise TypeError(f"in-process capture fetch returned {type(payloads[0]).__name__}")
+        return payloads[0]
+
+
+class AuxBackend:
+    name = "aux"
+
+    def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
+                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None) -> dict[str, Any]:
+        if capture_dir is not None:
+            raise ValueError("capture_dir is for the 'extract' backend; the 'aux' backend keeps rows in memory")
+        return capture_engine_kwargs(layers, capture_dtype, max_capture_bytes)
+
+    def owns(self, llm: Any) -> bool:
+        return CAPTURE_KEY in engine_internals.additional_config(llm)
+
+    def open_client(self, llm: Any) -> AuxClient:
+        return AuxClient(llm)
+
+
+AUX = AuxBackend()
