@@ -5,6 +5,7 @@ Heads and features: :mod:`uhead_vllm.heads`, :mod:`uhead_vllm.features`.
 """
 
 from .capture.protocol import CaptureSettings, CapturedRows, RequestTag
+from .errors import EngineDeadError, InputError, UheadError
 from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
 from .generation import (
     CaptureError,
@@ -22,6 +23,7 @@ from .generation import (
 )
 from .heads import (
     AttentionPoolingHead,
+    HeadFormatError,
     HeadMismatchError,
     LinearProbeHead,
     default_head_dir,
@@ -33,6 +35,7 @@ from .models import embedded_model_path, model_identity, resolve_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "UheadError", "InputError", "EngineDeadError", "HeadFormatError",
     "CaptureSettings", "CapturedRows", "RequestTag", "FeatureRecipe", "StepSpan", "split_steps",
     "step_token_features", "CaptureError", "CaptureNotInstalledError", "GenerationStats",
     "HiddenStatesGeneration", "MissingRowsError", "PrefixRowStore", "SampleHiddenStates", "StepCache",

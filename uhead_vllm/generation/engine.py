@@ -6,6 +6,7 @@ import gc
 import json
 from typing import Any, Iterable
 
+from ..errors import EngineDeadError, InputError
 from ..capture.protocol import (
     CAPTURE_KEY,
     EXTENSION_QUALNAME,
@@ -15,8 +16,22 @@ from ..capture.protocol import (
 )
 
 
-class CaptureNotInstalledError(RuntimeError):
+class CaptureNotInstalledError(InputError, RuntimeError):
     """The vLLM engine was built without the uhead_vllm worker extension."""
+
+
+def raise_if_engine_dead(exc: BaseException) -> None:
+    """Re-raise vLLM's "engine dead" as :class:`uhead_vllm.errors.EngineDeadError`, so a crashed
+    engine is reported as one (and not as a missing capture extension or a capture bug)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+    except ImportError:  # another vLLM layout: nothing to translate
+        return
+    if isinstance(exc, VllmEngineDeadError):
+        raise EngineDeadError(
+            "the vLLM engine is dead (its engine core failed earlier; the first error is in the log "
+            "above); build a new engine"
+        ) from exc
 
 
 def capture_engine_kwargs(
@@ -81,6 +96,7 @@ class CaptureClient:
         try:
             statuses = self.llm.collective_rpc("uhead_status")
         except Exception as exc:  # vLLM raises AttributeError/RuntimeError variants
+            raise_if_engine_dead(exc)
             raise CaptureNotInstalledError(
                 "this vLLM engine has no uhead_vllm capture extension; build it with "
                 "uhead_vllm.build_llm(...) or pass **uhead_vllm.capture_engine_kwargs(layers) to "
