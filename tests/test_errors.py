@@ -139,3 +139,47 @@ def test_cli_exit_codes():
     assert error_exit_code(EngineDefectError("rotary")) == 1
     assert error_exit_code(HeadMismatchError("other model")) == 2
     assert error_exit_code(KeyError("a bug")) is None  # bugs keep their traceback
+
+
+def test_study_functions_survive_their_submodules_being_imported():
+    """``uhead_vllm.study.answer`` is a function even after ``uhead_vllm.study.answer`` the module
+    is imported (the lazy import inside the function used to replace it: the second call raised
+    ``TypeError: 'module' object is not callable``). Fresh interpreter: nothing imported yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import uhead_vllm.study as study\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        study.answer(['   '])\n"
+        "    except ValueError as exc:\n"
+        "        assert 'empty' in str(exc) or 'question' in str(exc), exc\n"
+        "import uhead_vllm.study.answer, uhead_vllm.study.collect, uhead_vllm.study.evaluate, uhead_vllm.study.train\n"
+        "from uhead_vllm.study import commands\n"
+        "for name in ('answer', 'collect', 'evaluate', 'train'):\n"
+        "    assert getattr(study, name) is getattr(commands, name), name\n"
+    )
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_sequence_estimator_auto_scores_a_step_head_by_its_worst_step(tmp_path):
+    """``UHeadSequence(reduce="auto")`` reads the level where training stores it: the default
+    head (trained on steps, ``answer_scoring: max_step`` in its config.json) reduces claims by max;
+    a head trained on answers applies to the whole answer."""
+    from uhead_vllm.heads import default_head_dir
+    from uhead_vllm.polygraph.estimators import UHeadSequence
+
+    config = json.loads((default_head_dir() / "config.json").read_text())
+    assert config["training"]["study"]["answer_scoring"] == "max_step"  # the independent fact
+    assert UHeadSequence("default").reduce == "max"
+    gen = torch.Generator().manual_seed(0)
+    steps = [torch.randn(4, RECIPE.token_dim(8), generator=gen) for _ in range(16)]
+    head = LinearProbeHead(recipe=RECIPE, model_identity=IDENTITY).fit(steps, np.arange(16) % 2)
+    head.training_summary_ = {"study": {"level": "answer", "answer_scoring": "span"}}
+    assert UHeadSequence(str(head.save(tmp_path / "answer_head"))).reduce == "whole"
