@@ -96,3 +96,31 @@ def test_concurrent_generate_calls_on_one_engine_keep_their_own_rows(llm, model_
                     assert len(s.output_token_ids) == 6 + 2 * k + r
                     assert s.hidden.shape[0] == len(s.token_ids) - 1
                     assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)
+
+
+def test_capture_error_in_the_recompute_pass_keeps_vllms_outputs(model_path):
+    """The per-call capture budget is exceeded only by the recompute pass (the row store is
+    starved, so the prefix-cached prompt rows are recomputed): the error still carries the
+    first pass's outputs, as a budget error in the first pass does."""
+    from uhead_vllm.generation import CaptureError
+
+    llm = build_llm(model_path, (0, 1), max_capture_bytes=40_000, **make_vllm_kwargs())  # ≈39 fp32 rows
+    try:
+        gen = VllmHiddenStatesGenerator(llm, store_max_bytes=1)
+        prompt = SHARED
+        while len(gen.tokenizer(prompt)["input_ids"]) < 100:
+            prompt += "the mat is red. "
+        n = len(gen.tokenizer(prompt)["input_ids"])
+        assert 100 <= n < 96 + 30  # the uncached tail + decode fits the budget, the whole prompt does not
+        sp = SamplingParams(max_tokens=3, temperature=0.0)
+        with pytest.raises(CaptureError, match="budget"):
+            gen.generate([prompt], sp)  # first pass over the whole prompt: over budget, KV cached anyway
+        with pytest.raises(CaptureError, match="budget") as err:
+            gen.generate([prompt], sp)  # first pass fits (3 blocks cached); the recompute does not
+        outs = err.value.outputs
+        assert outs is not None and len(outs) == 1
+        assert list(outs[0].prompt_token_ids) == gen.tokenizer(prompt)["input_ids"]
+        assert len(outs[0].outputs[0].token_ids) == 3
+    finally:
+        del llm
+        gc.collect()

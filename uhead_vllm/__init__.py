@@ -8,6 +8,7 @@ The names below are the public API. Layers of the package: worker side inside vL
 """
 
 from .adapters.versions import SUPPORTED_VLLM, UnsupportedVllmError
+from .errors import EngineDeadError, InputError, UheadError
 from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
 from .generation import (
     CaptureError,
@@ -23,6 +24,7 @@ from .generation import (
 )
 from .heads import (
     AttentionPoolingHead,
+    HeadFormatError,
     HeadMismatchError,
     LinearProbeHead,
     UncertaintyHead,
@@ -38,9 +40,9 @@ __all__ = [
     # generation with exact hidden states
     "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs", "HiddenStatesGeneration",
     "SampleHiddenStates", "StepRecord", "GenerationStats",
-    # errors
-    "CaptureError", "CaptureNotInstalledError", "MissingRowsError", "UnsupportedVllmError",
-    "HeadMismatchError",
+    # errors (all derive from UheadError)
+    "UheadError", "InputError", "EngineDeadError", "CaptureError", "CaptureNotInstalledError",
+    "MissingRowsError", "UnsupportedVllmError", "HeadMismatchError", "HeadFormatError",
     # features and heads
     "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",
     "LinearProbeHead", "AttentionPoolingHead", "load_head", "load_head_for_model", "default_head_dir",

@@ -12,7 +12,7 @@ import warnings
 import sys
 from typing import Sequence
 
-from .models import ModelNotAvailableError
+from .errors import UheadError, worker_errors
 from .runtime import set_env_defaults
 from .tasks import EXAMPLE_QUESTIONS
 
@@ -85,17 +85,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_exit_code(exc: BaseException) -> int | None:
+    """Exit code for an error the CLI reports in one line, None for a bug (keep the traceback).
+
+    2 = bad input (model, head, data, question, unknown layer), 1 = a failure while running
+    (capture budget, missing rows, refused architecture, dead engine).
+    """
+    if isinstance(exc, UheadError):
+        return exc.exit_code
+    if isinstance(exc, worker_errors()):
+        return 1
+    if isinstance(exc, (ValueError, FileNotFoundError, FileExistsError)):
+        return 2
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's import-time deprecation noise says nothing to a user of this CLI.
     warnings.filterwarnings("ignore", category=FutureWarning)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, ModelNotAvailableError) as exc:
-        # Bad input (unknown layer, head for another model, empty question, missing files): one
-        # readable line instead of a traceback.
-        print(f"uhead-vllm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001  (re-raised below unless it is a known error)
+        code = error_exit_code(exc)
+        if code is None:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"uhead-vllm {args.command}: error: {message}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

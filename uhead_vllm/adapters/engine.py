@@ -57,3 +57,12 @@ def kv_connector(llm: Any) -> tuple[str, dict] | None:
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     kv = getattr(cfg, "kv_transfer_config", None)
     return None if kv is None else (str(kv.kv_connector), dict(kv.kv_connector_extra_config or {}))
+
+
+def is_engine_dead(exc: BaseException) -> bool:
+    """True for vLLM's "engine dead" error (the engine core failed in an earlier call)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # another vLLM layout: nothing to recognise
+        return False
+    return isinstance(exc, EngineDeadError)

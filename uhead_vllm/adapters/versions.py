@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..errors import InputError
+
 #: (major, minor) -> the build it was checked on. Every adapter in this package was read against
 #: these versions' source and exercised by the tests (CPU in CI, CUDA on the GPU machine).
 SUPPORTED_VLLM: dict[tuple[int, int], str] = {
@@ -14,7 +16,7 @@ SUPPORTED_VLLM: dict[tuple[int, int], str] = {
 ALLOW_UNSUPPORTED_ENV = "UHEAD_VLLM_ALLOW_UNSUPPORTED_VLLM"
 
 
-class UnsupportedVllmError(RuntimeError):
+class UnsupportedVllmError(InputError, RuntimeError):
     """The installed vLLM is outside the checked range, or lacks an internal capture relies on."""
 
 

@@ -20,8 +20,9 @@ import torch
 
 from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows, RequestTag
+from ..errors import UheadError
 from .assembly import place_rows
-from .backends import open_capture_client
+from .backends import open_capture_client, raise_if_engine_dead
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 
@@ -47,7 +48,7 @@ def engine_lock(llm: Any) -> threading.RLock:
         return lock
 
 
-class CaptureError(RuntimeError):
+class CaptureError(UheadError, RuntimeError):
     """The worker reported a capture failure (e.g. memory budget). ``outputs`` keeps vLLM's results."""
 
     def __init__(self, message: str, outputs: list | None = None):
@@ -55,7 +56,7 @@ class CaptureError(RuntimeError):
         self.outputs = outputs
 
 
-class MissingRowsError(RuntimeError):
+class MissingRowsError(UheadError, RuntimeError):
     """Strict mode: some rows were skipped by the prefix cache and are not in the store."""
 
 
@@ -224,7 +225,11 @@ class VllmHiddenStatesGenerator:
         serialised by the engine's lock (:func:`engine_lock`), each returning its own rows.
         """
         with engine_lock(self.llm):
-            return self._generate(prompts, sampling_params, compute_last_token)
+            try:
+                return self._generate(prompts, sampling_params, compute_last_token)
+            except Exception as exc:
+                raise_if_engine_dead(exc)
+                raise
 
     def _generate(self, prompts: Sequence[PromptLike], sampling_params: Any, compute_last_token: bool | None
                   ) -> HiddenStatesGeneration:
@@ -416,8 +421,8 @@ class VllmHiddenStatesGenerator:
         before = {id(q): int(q.valid.sum()) for q in todo}
         self.llm.generate(inputs, params, use_tqdm=False)
         captured = self.client.fetch()
-        if captured.error:
-            raise CaptureError(captured.error)
+        if captured.error:  # keep the first pass's outputs, as a first-pass error does
+            raise CaptureError(captured.error, outputs=[q.request_output for q in seqs])
         stats.tokens_forwarded += captured.num_rows
         stats.recompute_requests += len(todo)
         self._place(list(owners.values()), captured, owners)

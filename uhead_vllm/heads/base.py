@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import InputError
 from ..features import FeatureRecipe
 
 CONFIG_FILE = "config.json"
@@ -33,8 +34,16 @@ H = TypeVar("H", bound="UncertaintyHead")
 StepsLike = Sequence[torch.Tensor | np.ndarray]
 
 
-class HeadMismatchError(ValueError):
+class HeadMismatchError(InputError, ValueError):
     """A saved head does not fit the model, layers or feature size it is being loaded for."""
+
+
+class HeadFormatError(InputError, ValueError):
+    """A head folder is damaged or incomplete (missing file, invalid JSON, unreadable weights)."""
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path} is not a complete uncertainty head: {problem}; save it again "
+                         "(head.save(dir)) or retrain it (`uhead-vllm train`)")
 
 
 @dataclass
@@ -55,11 +64,23 @@ class HeadConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "HeadConfig":
-        data = json.loads(Path(path).read_text())
+        """Read ``config.json``; :class:`HeadFormatError` names the folder if it is damaged."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise HeadFormatError(path.parent, f"{path.name} is missing") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise HeadFormatError(path.parent, f"{path.name} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise HeadFormatError(path.parent, f"{path.name} holds a {type(data).__name__}, not an object")
         version = data.get("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
             raise HeadMismatchError(f"{path}: format_version {version} is newer than supported {FORMAT_VERSION}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as exc:  # missing or unknown keys
+            raise HeadFormatError(path.parent, f"{path.name} does not describe a head ({exc})") from None
 
 
 def identity_from_hf_config(name: str, hf_config: Any) -> dict[str, Any]:
@@ -259,8 +280,21 @@ class UncertaintyHead(ABC):
         if not issubclass(head_cls, cls):
             raise HeadMismatchError(f"{path} holds a {config.head_type!r} head, not a {cls.__name__}")
         check_compatible(config, expect_model_identity, expect_layers, allow_other_weights)
-        head = head_cls(recipe=config.recipe, model_identity=config.model_identity, **config.hyperparameters)
-        head._set_weights(load_file(str(path / WEIGHTS_FILE)), config.n_features)
+        try:
+            head = head_cls(recipe=config.recipe, model_identity=config.model_identity, **config.hyperparameters)
+        except TypeError as exc:
+            raise HeadFormatError(path, f"{CONFIG_FILE} has hyperparameters {head_cls.__name__} does not take ({exc})") from None
+        weights_path = path / WEIGHTS_FILE
+        if not weights_path.is_file():
+            raise HeadFormatError(path, f"{WEIGHTS_FILE} is missing")
+        try:
+            weights = load_file(str(weights_path))
+        except Exception as exc:  # safetensors raises its own SafetensorError (and OSError)
+            raise HeadFormatError(path, f"{WEIGHTS_FILE} cannot be read ({type(exc).__name__}: {exc})") from None
+        try:
+            head._set_weights(weights, config.n_features)
+        except (KeyError, RuntimeError) as exc:  # a tensor missing, extra or of the wrong shape
+            raise HeadFormatError(path, f"{WEIGHTS_FILE} does not hold this head's tensors ({exc})") from None
         head.n_features_in_ = config.n_features
         head.training_summary_ = dict(config.training)
         return head  # type: ignore[return-value]

@@ -28,6 +28,8 @@ from lm_polygraph.model_adapters import WhiteboxModelvLLM
 from lm_polygraph.utils.generation_parameters import GenerationParameters
 from transformers.generation import GenerateDecoderOnlyOutput
 
+from ..errors import InputError
+
 # The system turn lm-polygraph's adapter hard-codes; kept as the default for compatibility.
 LM_POLYGRAPH_SYSTEM_PROMPT = (
     "You are a knowledgeable assistant who answers questions concisely and accurately and "
@@ -36,7 +38,7 @@ LM_POLYGRAPH_SYSTEM_PROMPT = (
 MODEL_TYPE = "vLLMCausalLM"
 
 
-class LogprobsMissingError(ValueError):
+class LogprobsMissingError(InputError, ValueError):
     """vLLM returned no logprobs: the sampling params were built without ``logprobs=k``."""
 
 

@@ -57,12 +57,22 @@ class _HeadEstimator(Estimator):
         return out
 
 
+def head_trained_on_steps(summary: dict[str, Any]) -> bool:
+    """Whether a head's training summary says it learnt from steps. ``uhead-vllm train`` records
+    this under ``summary["study"]`` (level and answer scoring); a plain ``level`` key is honoured too."""
+    study = summary.get("study") or {}
+    if "answer_scoring" in study:
+        return study["answer_scoring"] == "max_step"
+    return (study.get("level") or summary.get("level")) == "step"
+
+
 class UHeadSequence(_HeadEstimator):
     """Sequence-level P(wrong) of the answer.
 
     ``reduce``: ``whole`` applies the head to the whole answer's token matrix (a head trained on
     answers); ``max`` / ``mean`` / ``last`` reduce per-claim probabilities (a head trained on steps);
-    ``auto`` picks ``max`` if the head's training summary says ``level: step``, else ``whole``.
+    ``auto`` follows the head's training summary: ``max`` for a head trained on steps (study
+    ``level: step`` / ``answer_scoring: max_step``, e.g. the default head), else ``whole``.
     """
 
     def __init__(self, head_path: str | Path = "default", reduce: str = "auto", name: str = "UHead",
@@ -70,7 +80,7 @@ class UHeadSequence(_HeadEstimator):
         super().__init__(head_path, ["uhead_sequence_features", "uhead_claim_features"], "sequence", name,
                          allow_other_weights)
         if reduce == "auto":
-            reduce = "max" if self.head.training_summary_.get("level") == "step" else "whole"
+            reduce = "max" if head_trained_on_steps(self.head.training_summary_) else "whole"
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {('auto',) + REDUCTIONS}, got {reduce!r}")
         self.reduce = reduce

@@ -11,11 +11,12 @@ import csv
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import InputError
 from ..runtime import set_env_defaults
 from .head_io import read_head_config
 
 
-class DatasetColumnError(KeyError):
+class DatasetColumnError(InputError, KeyError):
     """A configured dataset column is not in the CSV file."""
 
     def __str__(self) -> str:  # KeyError would print the message with quotes

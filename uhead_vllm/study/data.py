@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import InputError
+
 FORMAT = "uhead_vllm.study.dataset"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -34,7 +36,7 @@ ANSWERS_FILE = "answers.jsonl"
 TENSOR_KEYS = ("hidden", "token_ids", "token_logprobs", "topk_logprobs")
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """A dataset directory is missing, incomplete or not in the expected format."""
 
 

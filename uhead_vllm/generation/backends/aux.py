@@ -15,9 +15,11 @@ from ...capture.protocol import (
     CaptureSettings,
     decode_rows,
 )
+from ...errors import InputError
+from .base import raise_if_engine_dead
 
 
-class CaptureNotInstalledError(RuntimeError):
+class CaptureNotInstalledError(InputError, RuntimeError):
     """The vLLM engine was built without the uhead_vllm worker extension."""
 
 
@@ -48,6 +50,7 @@ class AuxClient:
         try:
             statuses = self.llm.collective_rpc("uhead_status")
         except Exception as exc:  # vLLM raises AttributeError/RuntimeError variants
+            raise_if_engine_dead(exc)
             raise CaptureNotInstalledError(
                 "this vLLM engine has no uhead_vllm capture extension; build it with "
                 "uhead_vllm.build_llm(...) or pass **uhead_vllm.capture_engine_kwargs(layers) to "

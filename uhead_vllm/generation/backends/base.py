@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Protocol
 
+from ...adapters import engine as engine_internals
 from ...capture.protocol import CapturedRows, CaptureSettings
+from ...errors import EngineDeadError
+
+
+def raise_if_engine_dead(exc: BaseException) -> None:
+    """Re-raise vLLM's "engine dead" as :class:`uhead_vllm.errors.EngineDeadError`, so a crashed
+    engine is reported as one (and not as a missing capture extension or a capture bug)."""
+    if engine_internals.is_engine_dead(exc):
+        raise EngineDeadError(
+            "the vLLM engine is dead (its engine core failed earlier; the first error is in the log "
+            "above); build a new engine"
+        ) from exc
 
 
 class CaptureClient(Protocol):
