@@ -12,19 +12,25 @@ from reference import hf_rows, relative_error
 
 def check_raw_rows(model: Path, sequences: dict[int, Sequence[int]], tags: torch.Tensor,
                    positions: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
-                   layers: Sequence[int], tol: float) -> int:
-    """Every captured row: input token equals the sequence's token and hidden equals HF. Returns rows checked."""
+                   layers: Sequence[int], tol: float, block_size: int = 32) -> dict[int, int]:
+    """Every captured row: input token equals the sequence's token and hidden equals HF; every
+    position vLLM forwarded is there exactly once: all of them from the first position not served
+    by the prefix cache (a whole number of blocks) to the last forwarded token (the last sampled
+    token never is). Returns that first position per tag."""
     assert tags.numel() > 0, "nothing was captured"
-    checked = 0
+    firsts = {}
     for tag, seq in sequences.items():
         m = tags == tag
         assert m.any(), f"no rows captured for tag {tag}"
         pos = positions[m]
         seq_t = torch.tensor(list(seq))
-        assert int(pos.max()) < len(seq) - 1 or int(pos.max()) == len(seq) - 1
+        first = int(pos.min())
+        assert first % block_size == 0, f"tag {tag}: first captured position {first} is inside a block"
+        assert torch.equal(pos.sort().values, torch.arange(first, len(seq) - 1)), (
+            f"tag {tag}: captured positions are not exactly {first}..{len(seq) - 2}")
         assert torch.equal(token_ids[m], seq_t[pos]), f"tag {tag}: captured input tokens differ"
         ref = hf_rows(str(model), seq, layers)[pos]
         err = relative_error(hidden[m], ref)
         assert err < tol, f"tag {tag}: relative error {err:.3g} >= {tol}"
-        checked += int(m.sum())
-    return checked
+        firsts[tag] = first
+    return firsts

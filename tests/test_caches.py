@@ -53,3 +53,32 @@ def test_step_cache_continues_trims_and_keeps_candidates_apart():
     cache.begin_call()
     cache.begin_call()
     assert len(cache) == 0  # idle entries are dropped
+
+
+def test_step_cache_rule_when_a_candidate_is_a_prefix_of_a_sibling():
+    """The rule (module docstring of step_cache): a prompt continues the candidate whose whole text
+    it starts with (longest such wins); a prompt that reaches further, into a longer candidate's
+    text, continues that one trimmed; among trimmed matches, the least trimmed (shortest) wins."""
+    cache = StepCache(max_idle_calls=2)
+    cache.begin_call()
+    p = "Q: 2+3*4?\n"
+    short, long_ = "3*4 = 12", "3*4 = 12\n2+12 = 14"  # the short text is a prefix of its sibling's
+    parent = cache.history_for(p)
+    cache.extend(p, rec(short), parent)
+    cache.extend(p, rec(long_), parent)
+    cache.begin_call()
+    hist = lambda prompt: [r.text for r in cache.history_for(prompt)]  # noqa: E731
+    assert hist(p + short) == [short]  # exact: the short candidate, not the long one trimmed back
+    assert hist(p + short + "\n") == [short]  # trailing whitespace is not text
+    assert hist(p + short + "\n2+12") == [long_]  # reaches into the long one: it was trimmed
+    assert hist(p + long_) == [long_]
+    assert hist(p + long_ + "\nSo 14.") == [long_]  # continues the long one
+    assert hist(p + "3*4 = 1") == [short]  # trimmed inside both: the least trimmed away
+    # The order in which siblings were recorded does not matter.
+    other = StepCache(max_idle_calls=2)
+    other.begin_call()
+    other.extend(p, rec(long_), [])
+    other.extend(p, rec(short), [])
+    other.begin_call()
+    for prompt in (p + short, p + short + "\n2+12", p + long_, p + "3*4 = 1"):
+        assert [r.text for r in other.history_for(prompt)] == hist(prompt), prompt

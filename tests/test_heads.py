@@ -282,11 +282,36 @@ def test_ece():
         expected_calibration_error([0, 1], [0.2, 1.5])
 
 
-def test_plots_write_png(tmp_path):
+def test_plots_draw_the_right_curves(tmp_path, monkeypatch):
+    """The plotted data, checked against independent references: scikit-learn's
+    ``calibration_curve`` for the reliability diagram, and the rejection curve recomputed by sorting
+    (reject the most uncertain first, accuracy of what is kept)."""
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+    from sklearn.calibration import calibration_curve
+
+    figures: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figures.append(self), save(self, *a, **k))[1])
     rng = np.random.default_rng(0)
     y = (rng.random(200) < 0.4).astype(int)
     unc = y * 0.5 + rng.random(200) * 0.7
     out = plot_rejection_curves(tmp_path / "rej.png", {"head": (y, unc), "random": (y, rng.random(200))})
     cal = plot_calibration(tmp_path / "cal.png", y, np.clip(unc, 0, 1))
-    for path in (out, cal):
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rej_fig, cal_fig = figures
+
+    lines = {ln.get_label().split(" (")[0]: ln for ln in rej_fig.axes[0].get_lines()}
+    order = np.argsort(-unc, kind="stable")
+    want = [1.0 - y[order[i:]].mean() for i in range(len(y))]
+    np.testing.assert_allclose(lines["head"].get_xdata(), np.arange(len(y)) / len(y))
+    np.testing.assert_allclose(lines["head"].get_ydata(), want)
+    assert f"PRR={prr(y, unc):.3f}" in lines["head"].get_label()
+
+    prob_true, prob_pred = calibration_curve(y, np.clip(unc, 0, 1), n_bins=10, strategy="uniform")
+    (mean_line,) = [ln for ln in cal_fig.axes[0].get_lines() if ln.get_label() == "mean predicted"]
+    np.testing.assert_allclose(mean_line.get_xdata(), prob_pred)
+    np.testing.assert_allclose(mean_line.get_ydata(), prob_true)
+    assert f"ECE={expected_calibration_error(y, np.clip(unc, 0, 1)):.3f}" in cal_fig.axes[0].get_title()
+    for path, fig in ((out, rej_fig), (cal, cal_fig)):
+        w, h = fig.get_size_inches() * 120
+        assert imread(path).shape[:2] == (round(h), round(w))  # a real image of the figure's size

@@ -252,16 +252,37 @@ def test_claims_and_features_line_up_with_tokens(batch_stats, llama_adapter):
             assert torch.equal(f, seq[c.aligned_token_ids[0] : c.aligned_token_ids[-1] + 1])
 
 
-def test_head_estimators_apply_the_saved_head(batch_stats, llama_head_dir):
-    head = LinearProbeHead.load(llama_head_dir)
+def test_head_estimators_apply_the_saved_head(batch_stats, llama_head_dir, llama_adapter):
+    """Reference by hand, from the saved arrays and the raw hidden rows (neither the head's code
+    nor the features calculator): P(wrong) = sigmoid(((mean of the span's rows) - mean) / scale
+    . coef + intercept)."""
+    from safetensors.torch import load_file
+
+    w = {k: v.double() for k, v in load_file(str(llama_head_dir / "weights.safetensors")).items()}
+
+    def by_hand(hs, a: int, b: int) -> float:
+        rows = hs.hidden[hs.prompt_len + a : hs.prompt_len + b].reshape(b - a, -1).double()
+        z = ((rows.mean(dim=0) - w["scaler_mean"]) / w["scaler_scale"]) @ w["coef"] + w["intercept"][0]
+        return float(torch.sigmoid(z))
+
+    special = set(llama_adapter.tokenizer.all_special_ids)
+    want_seq, want_claims = [], []
+    for hs, claims in zip(batch_stats["uhead_hidden_states"], batch_stats["claims"]):
+        n = len(hs.output_token_ids)
+        while n > 0 and hs.output_token_ids[n - 1] in special:
+            n -= 1
+        want_seq.append(by_hand(hs, 0, n or len(hs.output_token_ids)))
+        want_claims.append([by_hand(hs, c.aligned_token_ids[0], c.aligned_token_ids[-1] + 1) for c in claims])
     seq = UHeadSequence(llama_head_dir)
     assert seq.reduce == "whole" and str(seq) == "UHead"
-    assert np.allclose(seq(batch_stats), head.predict_proba(batch_stats["uhead_sequence_features"]))
-    claim = UHeadClaim(llama_head_dir)
-    per_claim = claim(batch_stats)
-    assert [len(x) for x in per_claim] == [len(c) for c in batch_stats["claims"]]
+    assert np.allclose(seq(batch_stats), want_seq, atol=1e-6)
+    per_claim = UHeadClaim(llama_head_dir)(batch_stats)
+    assert len(per_claim) == len(want_claims)
+    for got, want in zip(per_claim, want_claims):
+        assert np.allclose(got, want, atol=1e-6)
     worst = UHeadSequence(llama_head_dir, reduce="max", name="UHeadMax")(batch_stats)
-    assert np.allclose(worst, [max(x) for x in per_claim])
+    assert np.allclose(worst, [max(x) for x in want_claims], atol=1e-6)
+    assert len(set(np.round(want_seq, 6))) > 1  # the reference is not a constant
 
 
 # ---------------------------------------------------------------------------------- errors

@@ -1,4 +1,4 @@
-"""Per-candidate accumulation of step results across the steps of online best-of-n / beam search.
+r"""Per-candidate accumulation of step results across the steps of online best-of-n / beam search.
 
 Strategies feed the text of a chosen candidate back as the next prompt, often trimmed (stop
 tokens stripped, whitespace normalised) and re-tokenised. Token ids therefore do not identify a
@@ -7,7 +7,19 @@ new prompt continues the entry whose key is its longest string prefix (trailing 
 ignored). A prompt that ends inside a candidate's text (the strategy trimmed a stop marker or a
 tail) still continues that candidate, as long as it reaches past that candidate's own prompt.
 Distinct candidates have distinct keys, so they never overwrite each other.
+
+The rule when several candidates fit a prompt (notably when one candidate's text is a prefix of a
+sibling's), with keys and prompt compared after stripping trailing whitespace:
+
+1. The prompt continues a candidate whose whole key it starts with; of those, the longest key.
+2. A prompt that ends inside keys (a trimmed candidate) continues the one with the least trimmed
+   away (the shortest such key), if the prompt reaches past that candidate's own prompt.
+3. Between the two, the match that accounts for more of the prompt wins; an exact match (1) wins
+   a tie. So with siblings "12" and "12\n5": "12" and "12\n" continue "12" (the texts cannot tell
+   "12\n5" trimmed back to "12" apart, and the exact match is the likelier reading), "12\n5..."
+   continues "12\n5", and "1" (inside both) continues "12".
 """
+
 
 from __future__ import annotations
 
