@@ -85,6 +85,9 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
     if max_bytes > limits.max_rows_bytes:
         raise BadUncertaintyRequest(f"'uncertainty.max_bytes' {max_bytes} exceeds this server's limit "
                                     f"{limits.max_rows_bytes} (--max-rows-bytes)")
+    if not steps and rows is None and limits.head_name is None:
+        raise BadUncertaintyRequest("this server has no uncertainty head (--head none): ask for rows, "
+                                    "e.g. {\"rows\": {\"layers\": [...]}}")
     if not steps and rows is None:
         raise BadUncertaintyRequest("'uncertainty' asks for nothing: set steps to true or ask for rows")
     return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head)
