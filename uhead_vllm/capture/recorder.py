@@ -176,6 +176,60 @@ class RowRecorder:
         return rows
 
 
+    def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+        """Hand over only the rows of ``tags`` (a server's concurrent requests each take their own).
+
+        Rows of other tags stay. ``forget=True`` also stops recording live requests with these
+        tags (a client that went away), so nothing of theirs accumulates afterwards. Counters
+        are not reset: they describe the whole recorder, not these tags.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # type: ignore[attr-defined]
+            self._copied = None
+        wanted = np.asarray(sorted(set(int(t) for t in tags)), dtype=np.int64)
+        if forget:
+            for rid, tag in list(self._tags.items()):
+                if tag is not None and tag.tag in set(wanted.tolist()):
+                    self._tags[rid] = None
+        taken: list[_Step] = []
+        kept: list[_Step] = []
+        for s in self.steps:
+            chunk_hit = np.isin(s.tags, wanted)
+            if not chunk_hit.any():
+                kept.append(s)
+                continue
+            if chunk_hit.all():
+                taken.append(s)
+                continue
+            row_hit = torch.from_numpy(np.repeat(chunk_hit, s.lens))
+            taken.append(_Step(s.tags[chunk_hit], s.samples[chunk_hit], s.lens[chunk_hit],
+                               s.hidden[row_hit], s.meta[:, row_hit]))
+            kept.append(_Step(s.tags[~chunk_hit], s.samples[~chunk_hit], s.lens[~chunk_hit],
+                              s.hidden[~row_hit], s.meta[:, ~row_hit]))
+        self.steps = kept
+        self.bytes_held = sum(s.hidden.numel() * s.hidden.element_size() for s in kept)
+        layers = tuple(self.settings.layers)
+        if not taken:
+            rows = empty_rows(layers, self.hidden_size, self.settings.torch_dtype)
+        else:
+            lens = torch.from_numpy(np.concatenate([s.lens for s in taken]))
+            meta = torch.cat([s.meta for s in taken], dim=1)
+            rows = CapturedRows(
+                layers=layers,
+                hidden=torch.cat([s.hidden for s in taken]),
+                tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in taken])), lens),
+                samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in taken])), lens),
+                positions=meta[0].contiguous(),
+                token_ids=meta[1].contiguous(),
+                chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+            )
+        # A recorder error (budget) dropped every request's rows: report it once; the caller
+        # recomputes what is missing.
+        rows.error, self.error = self.error, None
+        rows.stats = {"bytes_held": self.bytes_held}
+        return rows
+
+
 def _runs(starts: list[int], ends: list[int]) -> list[tuple[int, int]]:
     """Merge adjacent row ranges, so a batch of tagged requests is one slice."""
     runs = [(starts[0], ends[0])]

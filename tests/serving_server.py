@@ -1,0 +1,99 @@
+"""A real ``uhead-vllm serve`` process on localhost for the serving tests, and a tiny head for it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tiny_head(model_dir: Path, out_dir: Path, layers: list[int], logprobs: int = 3) -> Path:
+    """A linear probe on the tiny model's layers, fitted on random features, with a study recipe
+    (line steps, top-k logprobs), so the server can score with it. Its numbers mean nothing."""
+    from uhead_vllm.features import FeatureRecipe
+    from uhead_vllm.heads import LinearProbeHead
+    from uhead_vllm.models import model_identity
+
+    ident = model_identity(model_dir)
+    recipe = FeatureRecipe(layers, "mean", logprobs)
+    head = LinearProbeHead(recipe=recipe, model_identity=ident)
+    g = torch.Generator().manual_seed(0)
+    dim = recipe.token_dim(ident["hidden_size"])
+    steps = [torch.randn(3, dim, generator=g) for _ in range(40)]
+    head.fit(steps, np.arange(40) % 2)
+    head.training_summary_["study"] = {
+        "level": "step", "answer_scoring": "max_step",
+        "generation": {"style": "steps_plain", "max_tokens": 32, "temperature": 0.0, "logprobs": logprobs,
+                       "split_mode": "line", "seed": 0},
+    }
+    head.save(out_dir)
+    return out_dir
+
+
+class Server:
+    """``uhead-vllm serve`` as a child process; ``url`` is its OpenAI base URL."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0):
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine core process
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "uhead_vllm.cli", "serve", "--port", str(self.port),
+                                      *args], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/v1"
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not up after {timeout} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get_json(self, path: str) -> dict:
+        import json
+
+        with urllib.request.urlopen(self.base + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def serve(args: list[str], log_path: Path) -> Iterator[Server]:
+    server = Server(args, log_path)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,210 @@
+"""``uhead-vllm serve``: a real server process on localhost, the real ``openai`` client.
+
+One tiny-model server serves the whole module (fp32 rows, layers 0/2/4, prefix caching on,
+32-token blocks); returned rows are checked against Hugging Face's forward on the same ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from reference import hf_rows, relative_error
+from serving_server import build_tiny_head, serve
+
+LAYERS = [0, 2, 4]
+HEAD_LAYERS = [2, 4]
+PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
+          "check each step twice before you give the final answer to the question below. ")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    model = tiny_models["llama"]
+    head = build_tiny_head(model, tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    yield from serve(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
+                      "--capture-dtype", "float32", "--max-model-len", "512",
+                      "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+                      "--served-model-name", "tiny"], log)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def rows_of(unc: dict) -> tuple[torch.Tensor, list[int]]:
+    t = st_load(base64.b64decode(unc["rows"]["safetensors_b64"]))
+    return t["hidden"], t["token_ids"].tolist()
+
+
+def check_rows(model, unc: dict, layers=LAYERS, tol: float = 1e-4) -> int:
+    hidden, ids = rows_of(unc)
+    assert hidden.shape[0] == len(ids) and hidden.shape[1] == len(layers)
+    err = relative_error(hidden, hf_rows(model, ids, layers))
+    assert err < tol, err
+    return hidden.shape[0]
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_chat_scores_each_step_and_plain_requests_are_untouched(client):
+    plain = chat(client, "What is 2 + 3?", max_tokens=24, temperature=0)
+    assert "uncertainty" not in (plain.choices[0].model_extra or {})
+    res = chat(client, "What is 2 + 3?", max_tokens=24, temperature=0, extra_body={"uncertainty": True})
+    assert res.choices[0].message.content == plain.choices[0].message.content
+    unc = res.choices[0].model_extra["uncertainty"]
+    assert unc["head"] == "tiny_head" and unc["steps"]
+    assert unc["steps"][0]["token_start"] == 0 and unc["steps"][-1]["token_end"] == res.usage.completion_tokens
+    assert all(a["token_end"] == b["token_start"] for a, b in zip(unc["steps"], unc["steps"][1:]))
+    assert "".join(s["text"] for s in unc["steps"]) == res.choices[0].message.content
+    scored = [s["p_wrong"] for s in unc["steps"] if s["p_wrong"] is not None]
+    assert scored and all(0.0 <= p <= 1.0 for p in scored)
+    assert unc["answer_p_wrong"] == pytest.approx(max(scored))
+    assert res.choices[0].logprobs is None  # the head's logprobs stay inside the server
+
+
+def test_n_samples_each_get_their_own_rows(client, tiny_models):
+    res = chat(client, PREFIX + "What is 7 + 8?", n=4, max_tokens=20, temperature=1.0, seed=3,
+               extra_body={"uncertainty": {"rows": {"layers": LAYERS}}})
+    texts = {c.message.content for c in res.choices}
+    assert len(texts) > 1
+    for c in res.choices:
+        unc = c.model_extra["uncertainty"]
+        hidden, ids = rows_of(unc)
+        assert len(ids) == res.usage.prompt_tokens + unc["steps"][-1]["token_end"] - 1  # the last token has no row
+        check_rows(tiny_models["llama"], unc)
+
+
+def test_completions_several_prompts_and_n(client, tiny_models):
+    prompts = [PREFIX + "2 + 2 =", PREFIX + "9 - 4 ="]
+    res = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=1,
+                                    extra_body={"uncertainty": {"rows": {"layers": [0, 4]}}})
+    assert len(res.choices) == 4
+    firsts = set()
+    for c in res.choices:
+        unc = c.model_extra["uncertainty"]
+        _, ids = rows_of(unc)
+        firsts.add(tuple(ids[:5]))
+        check_rows(tiny_models["llama"], unc, layers=[0, 4])
+    assert len(firsts) == 1  # both prompts share the prefix; the rows still differ per choice
+
+
+def test_streaming_sends_step_scores_then_the_same_final_scores(client):
+    kw = dict(max_tokens=40, temperature=0, extra_body={"uncertainty": True})
+    full = chat(client, PREFIX + "Count to five.", **kw).choices[0].model_extra["uncertainty"]
+    streamed_steps, final, text = [], None, ""
+    for chunk in chat(client, PREFIX + "Count to five.", stream=True, **kw):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            unc = (c.model_extra or {}).get("uncertainty")
+            if unc and c.finish_reason is None:
+                streamed_steps += unc["steps"]
+            elif unc:
+                final = unc
+    assert final is not None and final["steps"] == full["steps"]
+    assert final["answer_p_wrong"] == pytest.approx(full["answer_p_wrong"])
+    # every step streamed before the end is the final one (all but the still-open last step)
+    assert streamed_steps == full["steps"][: len(streamed_steps)]
+    if len(full["steps"]) > 1:
+        assert len(streamed_steps) >= 1
+
+
+def test_concurrent_requests_with_shared_prefixes_never_mix_rows(client, server, tiny_models):
+    """24 concurrent requests (chat and completions, n=1..3, streaming and not) over shared
+    prefixes; every choice's rows equal HF's forward on that choice's own token ids."""
+    jobs = []
+    for i in range(24):
+        q = f"{PREFIX * (1 + i % 2)}Question {i % 5}: what is {i} + {i % 7}?"
+        jobs.append((i, q))
+
+    def run(job):
+        i, q = job
+        body = {"uncertainty": {"rows": {"layers": LAYERS}}}
+        if i % 3 == 2:
+            r = client.completions.create(model="tiny", prompt=q, n=1 + i % 2, max_tokens=16, temperature=1.0,
+                                          seed=i, extra_body=body)
+            return [c.model_extra["uncertainty"] for c in r.choices]
+        if i % 4 == 1:
+            out: dict[int, dict] = {}
+            for chunk in chat(client, q, n=2, max_tokens=16, temperature=1.0, seed=i, stream=True, extra_body=body):
+                for c in chunk.choices:
+                    if c.finish_reason is not None:
+                        out[c.index] = c.model_extra["uncertainty"]
+            return [out[k] for k in sorted(out)]
+        r = chat(client, q, n=1 + i % 3, max_tokens=16, temperature=1.0, seed=i, extra_body=body)
+        return [c.model_extra["uncertainty"] for c in r.choices]
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(run, jobs))
+    checked = 0
+    for uncs in results:
+        for unc in uncs:
+            checked += check_rows(tiny_models["llama"], unc)
+    assert checked > 24 * 60
+    status = server.get_json("/uhead/status")
+    assert status["rows_from_store"] + status["rows_recomputed"] > 0  # prefix-cached rows were filled
+    assert status["running_requests"] == 0 and status["worker_bytes_held"] == 0
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("unc, needle", [
+    ("yes", "must be true or an object"),
+    ({"stepz": True}, "unknown key"),
+    ({"rows": {"layers": [1]}}, "not captured"),
+    ({"rows": {"layers": [0]}, "max_bytes": 1000}, "budget exceeded"),
+    ({"head": "other"}, "unknown head"),
+    ({"max_bytes": 1 << 40}, "exceeds this server's limit"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, client, unc, needle):
+    status, body = post(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "uncertainty": unc})
+    assert status == 400 and needle in body["error"]["message"], body
+    status, body = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                    "vllm_xargs": {"uhead_vllm": "1"}})
+    assert status == 400 and "reserved" in body["error"]["message"]
+    assert chat(client, "hi", max_tokens=4, extra_body={"uncertainty": True}).choices[0].model_extra["uncertainty"]
+
+
+def test_client_disconnect_leaves_no_rows_behind(server, client):
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PREFIX}], "max_tokens": 200,
+            "stream": True, "n": 2, "ignore_eos": True, "uncertainty": {"rows": {"layers": LAYERS}}}
+    for _ in range(3):
+        with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60) as r:
+            for k, _line in enumerate(r.iter_lines()):
+                if k > 10:
+                    break  # leave mid-stream
+    chat(client, "hi", max_tokens=4)  # let the engine step past the aborts
+    import time
+
+    for _ in range(50):
+        status = server.get_json("/uhead/status")
+        if status["running_requests"] == 0 and status["worker_bytes_held"] == 0:
+            break
+        time.sleep(0.2)
+    assert status["running_requests"] == 0 and status["worker_bytes_held"] == 0, status
+    assert status["server_bytes_held"] == 0

@@ -1,0 +1,84 @@
+"""Serving pieces that need no engine: the request field's checks and the worker's fetch by tags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from uhead_vllm.adapters import ScheduledStep, StepOutputs
+from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+from uhead_vllm.capture.recorder import RowRecorder
+from uhead_vllm.serving.record import RequestRecord
+from uhead_vllm.serving.spec import (BadUncertaintyRequest, ServerLimits, UncertaintySpec, check_row_budget,
+                                     check_user_xargs, parse_uncertainty)
+
+LIMITS = ServerLimits((0, 2, 4), 128, "h", 1 << 20)
+
+
+def test_spec_defaults_and_errors():
+    assert parse_uncertainty(None, LIMITS) is None and parse_uncertainty(False, LIMITS) is None
+    spec = parse_uncertainty(True, LIMITS)
+    assert spec.steps and spec.rows is None and spec.max_bytes == 1 << 20
+    spec = parse_uncertainty({"rows": {"layers": [4, 0], "dtype": "bfloat16"}, "max_bytes": 1000}, LIMITS)
+    assert spec.rows.layers == (4, 0) and spec.rows.bytes_per_value == 2
+    for bad, needle in [([1], "must be true or an object"), ({"x": 1}, "unknown key"),
+                        ({"rows": {"layers": []}}, "non-empty list"), ({"rows": {"layers": [3]}}, "not captured"),
+                        ({"rows": {"layers": [0, 0]}}, "duplicates"), ({"rows": {"dtype": "int8"}}, "dtype"),
+                        ({"steps": "yes"}, "boolean"), ({"max_bytes": -1}, "positive"),
+                        ({"max_bytes": 1 << 30}, "server's limit"), ({"head": "g"}, "unknown head"),
+                        ({"steps": False}, "asks for nothing")]:
+        with pytest.raises(BadUncertaintyRequest, match=needle):
+            parse_uncertainty(bad, LIMITS)
+    no_head = ServerLimits((0,), 8, None, 100)
+    with pytest.raises(BadUncertaintyRequest, match="no uncertainty head"):
+        parse_uncertainty(True, no_head)
+    assert parse_uncertainty({"rows": {}}, no_head).steps is False
+
+
+def test_row_budget_and_reserved_xargs():
+    spec = UncertaintySpec(rows=parse_uncertainty({"rows": {"layers": [0]}}, LIMITS).rows, max_bytes=128 * 4 * 10)
+    check_row_budget(spec, 1, 10, 128)
+    with pytest.raises(BadUncertaintyRequest, match="budget exceeded"):
+        check_row_budget(spec, 2, 10, 128)
+    with pytest.raises(BadUncertaintyRequest, match="needs max_tokens"):
+        check_row_budget(spec, 1, None, 128)
+    check_user_xargs({"other": 1})
+    with pytest.raises(BadUncertaintyRequest, match="reserved"):
+        check_user_xargs({"uhead_vllm": "x"})
+
+
+def _step(recorder: RowRecorder, reqs: dict[str, int], new: dict[str, dict | None]) -> None:
+    recorder.on_schedule(ScheduledStep(new_requests=list(new.items()), finished_req_ids=set(),
+                                       num_scheduled_tokens=reqs))
+    qsl = np.concatenate([[0], np.cumsum(list(reqs.values()))])
+    total = int(qsl[-1])
+    aux = [torch.arange(total * 4, dtype=torch.float32).view(total, 4) + 1000 * k for k in range(2)]
+    recorder.on_forward(StepOutputs(req_ids=list(reqs), query_start_loc=qsl, aux=aux,
+                                    positions=torch.arange(total), input_ids=torch.arange(total)))
+
+
+def test_take_tags_takes_only_those_rows_and_forget_stops_recording():
+    rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
+    _step(rec, {"a": 3, "b": 2, "c": 1}, {"a": RequestTag(1, 0).to_extra_args(),
+                                          "b": RequestTag(2, 0).to_extra_args(), "c": None})
+    _step(rec, {"a": 1, "b": 1}, {})
+    one = rec.take_tags([1])
+    assert one.num_rows == 4 and set(one.tags.tolist()) == {1}
+    assert one.hidden.shape == (4, 2, 4)
+    assert rec.bytes_held == 3 * 2 * 4 * 4  # tag 2's rows stay
+    rec.take_tags([2], forget=True)
+    _step(rec, {"a": 1, "b": 1}, {})
+    rest = rec.take_tags([1, 2])
+    assert rest.tags.tolist() == [1] and rec.bytes_held == 0
+
+
+def test_record_keeps_rows_per_sequence():
+    from uhead_vllm.capture.protocol import CapturedRows
+
+    r = RequestRecord("k", UncertaintySpec(), 0)
+    z = torch.tensor
+    r.add_rows(CapturedRows((0,), torch.ones(4, 1, 2), z([5, 7, 5, 5]), z([0, 0, 1, 0]), z([0, 0, 0, 1]),
+                            z([9, 9, 9, 9]), z([0, 4])))
+    pos, ids, hidden = r.captured(5, 0)
+    assert pos.tolist() == [0, 1] and r.captured(5, 1)[0].tolist() == [0] and r.captured(7, 1) is None

@@ -1,0 +1,94 @@
+"""Typed per-step scores from an ``uhead-vllm serve`` server, through the ``openai`` package.
+
+    from uhead_vllm.client import UncertaintyClient
+    client = UncertaintyClient("http://localhost:8000/v1")
+    [answer] = client.chat("What is 45 + 38?")
+    answer.answer_p_wrong, [(s.text, s.p_wrong) for s in answer.steps]
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepScore:
+    """One step: its text, its generated-token span ``[token_start, token_end)`` and P(wrong)."""
+
+    text: str
+    token_start: int
+    token_end: int
+    p_wrong: float | None
+
+
+@dataclass
+class ScoredChoice:
+    """One choice of a response with the server's uncertainty for it."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    answer_p_wrong: float | None
+    steps: list[StepScore] = field(default_factory=list)
+    rows: dict[str, Any] | None = None  # as sent; decode with :func:`decode_rows`
+
+    @classmethod
+    def from_openai(cls, choice: Any) -> "ScoredChoice":
+        extra = choice.model_extra or {}
+        unc = extra.get("uncertainty")
+        if unc is None:
+            raise ValueError("the response carries no uncertainty: is the server `uhead-vllm serve`?")
+        if "error" in unc:
+            raise RuntimeError(f"the server could not score choice {choice.index}: {unc['error']}")
+        message = getattr(choice, "message", None)
+        text = message.content if message is not None else choice.text
+        return cls(choice.index, text or "", choice.finish_reason, unc.get("answer_p_wrong"),
+                   [StepScore(**s) for s in unc.get("steps", [])], unc.get("rows"))
+
+
+def decode_rows(rows: dict[str, Any]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """``(hidden [rows, layers, H], token_ids, layers)``: row p = state after reading token p."""
+    from safetensors.torch import load
+
+    t = load(base64.b64decode(rows["safetensors_b64"]))
+    return t["hidden"], t["token_ids"].tolist(), list(rows["layers"])
+
+
+class UncertaintyClient:
+    """Chat and completions with ``uncertainty`` asked for; returns :class:`ScoredChoice` lists."""
+
+    def __init__(self, base_url: str = "http://localhost:8000/v1", api_key: str = "none",
+                 model: str | None = None, **client_kwargs: Any):
+        from openai import OpenAI
+
+        self.openai = OpenAI(base_url=base_url, api_key=api_key, **client_kwargs)
+        self.model = model or self.openai.models.list().data[0].id
+
+    @staticmethod
+    def _body(rows: Sequence[int] | None, max_bytes: int | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {}
+        if rows:
+            spec["rows"] = {"layers": list(rows)}
+        if max_bytes:
+            spec["max_bytes"] = int(max_bytes)
+        return {"uncertainty": spec or True}
+
+    def chat(self, messages: str | list[dict], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
+             max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any) -> list[ScoredChoice]:
+        """Answer a question (a string) or a conversation; one :class:`ScoredChoice` per choice."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        res = self.openai.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                  temperature=temperature, extra_body=self._body(rows, max_bytes),
+                                                  **kwargs)
+        return [ScoredChoice.from_openai(c) for c in res.choices]
+
+    def complete(self, prompt: str | list[str], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
+                 max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any) -> list[ScoredChoice]:
+        res = self.openai.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=temperature, extra_body=self._body(rows, max_bytes), **kwargs)
+        return [ScoredChoice.from_openai(c) for c in res.choices]

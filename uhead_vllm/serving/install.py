@@ -1,0 +1,68 @@
+"""Wire the uncertainty service into a vLLM OpenAI app after vLLM initialised its state.
+
+Configuration travels through vLLM's own ``additional_config``: the capture settings under
+``"uhead_vllm"`` (read by the worker extension too) and the server's under ``"uhead_vllm_serve"``
+(head directory or "none", byte limits), so plain ``vllm serve`` with the middleware works as well.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..capture.protocol import CAPTURE_KEY, CaptureSettings
+from .service import UncertaintyService
+from .vllm_hooks import EngineTap, install_child_tags
+
+SERVE_KEY = "uhead_vllm_serve"
+DEFAULT_MAX_ROWS_BYTES = 64 << 20
+DEFAULT_STORE_BYTES = 256 << 20
+
+
+def install(state: Any) -> UncertaintyService:
+    """Build the service from ``state.vllm_config`` and wrap the chat and completions handlers."""
+    existing = getattr(state, "uhead_service", None)
+    if existing is not None:
+        return existing
+    vllm_config = state.vllm_config
+    extra = vllm_config.additional_config or {}
+    if CAPTURE_KEY not in extra:
+        raise RuntimeError(
+            "uhead_vllm serving needs capture in the engine: start vLLM with "
+            "--worker-extension-cls uhead_vllm.capture.extension.UheadCaptureExtension and "
+            "--additional-config '{\"uhead_vllm\": {\"layers\": [...]}}' (or use `uhead-vllm serve`)")
+    settings = CaptureSettings.from_dict(extra[CAPTURE_KEY])
+    cfg = extra.get(SERVE_KEY, {}) or {}
+    engine = state.engine_client
+    scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
+    service = UncertaintyService(
+        engine, scorer, tuple(settings.layers), vllm_config.model_config.get_hidden_size(), settings.torch_dtype,
+        vllm_config.cache_config.block_size, int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)),
+        int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)))
+    install_child_tags()
+    for attr, method in (("openai_serving_chat", "create_chat_completion"),
+                         ("openai_serving_completion", "create_completion")):
+        handler = getattr(state, attr, None)
+        if handler is not None:
+            from .handlers import wrap_handler
+
+            handler.engine_client = EngineTap(handler.engine_client, service.registry)
+            wrap_handler(handler, method, service)
+    state.uhead_service = service
+    return service
+
+
+def _scorer(cfg: dict, model_path: str, tokenizer: Any, layers: tuple[int, ...]) -> Any:
+    import torch
+
+    from ..heads import default_head_dir, load_head_for_model
+    from .scoring import Scorer
+
+    head_dir = cfg.get("head")
+    if head_dir == "none":
+        return None
+    path = Path(head_dir).expanduser() if head_dir else default_head_dir()
+    head = load_head_for_model(path, model_path, allow_other_weights=bool(cfg.get("allow_other_weights", False)))
+    torch.set_num_threads(int(cfg.get("head_threads", 1)))  # the engine core needs the cores
+    name = cfg.get("head_name") or ("default" if path.resolve() == default_head_dir().resolve() else path.name)
+    return Scorer(head, name, tokenizer, layers)

@@ -1,0 +1,96 @@
+"""``uhead-vllm serve``: vLLM's own OpenAI server with capture and the uncertainty middleware.
+
+Our flags are taken here; every other argument goes to vLLM's own ``serve`` parser unchanged, and
+the server is vLLM's ``run_server``. Defaults follow the study that trained the shipped head
+(fp32 compute, eager, 32-token blocks, prefix caching on, bf16 rows) unless a vLLM flag overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from ..capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CaptureSettings
+from .install import DEFAULT_MAX_ROWS_BYTES, DEFAULT_STORE_BYTES, SERVE_KEY
+
+MIDDLEWARE = "uhead_vllm.serving.UncertaintyMiddleware"
+#: vLLM flags we set unless the user passes them (flag, value or None for a switch).
+VLLM_DEFAULTS: tuple[tuple[str, str | None], ...] = (
+    ("--dtype", "float32"), ("--enforce-eager", None), ("--block-size", "32"),
+    ("--max-model-len", "1024"), ("--kv-cache-memory-bytes", str(512 << 20)), ("--seed", "0"),
+    ("--enable-prefix-caching", None), ("--port", "8000"),
+)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model-cache", default=None, help="where the embedded model is converted to")
+    p.add_argument("--head", default=None, help="head directory (default: the shipped head); 'none': rows only")
+    p.add_argument("--allow-other-weights", action="store_true", help="accept a head trained on other weights")
+    p.add_argument("--layers", type=int, nargs="+", help="HF hidden-state indices to capture "
+                   "(default: the head's layers; with --head none: 0, middle, last)")
+    p.add_argument("--capture-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype rows are kept in (the shipped head was trained on bfloat16 rows)")
+    p.add_argument("--max-rows-bytes", type=int, default=DEFAULT_MAX_ROWS_BYTES,
+                   help="largest rows budget a request may ask for (uncertainty.max_bytes)")
+    p.add_argument("--row-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+                   help="memory for prompt rows the prefix cache skips (exact refill)")
+
+
+def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
+    """The argument list for vLLM's own server parser."""
+    from ..models import model_identity, resolve_model
+
+    path = resolve_model(args.model, args.model_cache)
+    ident = model_identity(path)
+    layers = args.layers or _default_layers(args.head, ident["num_hidden_layers"])
+    settings = CaptureSettings(tuple(layers), args.capture_dtype)
+    serve = {"max_rows_bytes": args.max_rows_bytes, "store_bytes": args.row_store_bytes,
+             "allow_other_weights": args.allow_other_weights}
+    if args.head:
+        serve["head"] = args.head if args.head == "none" else os.path.abspath(os.path.expanduser(args.head))
+    argv = ["--model", str(path), "--worker-extension-cls", EXTENSION_QUALNAME,
+            "--additional-config", json.dumps({CAPTURE_KEY: settings.to_dict(), SERVE_KEY: serve}),
+            "--middleware", MIDDLEWARE]
+    given = {a.split("=", 1)[0] for a in passthrough if a.startswith("--")}
+    if "--served-model-name" not in given:
+        argv += ["--served-model-name", ident["name"]]
+    for flag, value in VLLM_DEFAULTS:
+        negated = "--no-" + flag[2:]
+        if flag not in given and negated not in given:
+            argv += [flag] if value is None else [flag, value]
+    return argv + list(passthrough)
+
+
+def _default_layers(head: str | None, n_layers: int) -> list[int]:
+    if head == "none":
+        return [0, n_layers // 2, n_layers]
+    from ..heads import HeadConfig, default_head_dir
+
+    path = default_head_dir() if head is None else os.path.expanduser(head)
+    return list(HeadConfig.load(os.path.join(path, "config.json")).layers)
+
+
+def run(args: argparse.Namespace, passthrough: Sequence[str]) -> int:
+    """Parse with vLLM's own serve parser and run vLLM's own server (blocks until shut down)."""
+    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(key, value)
+    from ..runtime import REPO_ROOT
+
+    if REPO_ROOT is not None:  # share compile caches with tests and benchmarks
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO_ROOT / ".cache" / "vllm"))
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = vllm_argv(args, passthrough)
+    parser = make_arg_parser(FlexibleArgumentParser(prog="uhead-vllm serve"))
+    vargs = parser.parse_args(argv)
+    validate_parsed_serve_args(vargs)
+    print(f"uhead-vllm serve: vLLM {' '.join(argv)}", file=sys.stderr, flush=True)
+    uvloop.run(run_server(vargs))
+    return 0

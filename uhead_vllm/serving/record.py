@@ -1,0 +1,125 @@
+"""What the server keeps about one uncertainty request while it runs.
+
+vLLM's outputs (token ids, logprobs) are observed as the engine hands them to the OpenAI handler,
+so the scores use exactly the ids vLLM ran, never re-tokenised text. Captured rows are kept per
+``(tag, sample)`` as they arrive from the worker; each prompt of a request has its own tag and
+each of its n samples its own sample index, so rows of different sequences never meet.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..capture.protocol import CapturedRows
+from .spec import UncertaintySpec
+
+
+def new_tag() -> int:
+    """A capture tag unique across API server processes sharing one engine (62 random bits)."""
+    return secrets.randbits(62)
+
+
+@dataclass
+class SequenceState:
+    """One choice: the ids vLLM ran and the logprobs it returned, as they stream in."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    steps_sent: int = 0  # steps whose score already went out in the stream
+    boundary_pending: bool = False  # a step may have ended: re-split on the next chunks
+
+
+@dataclass
+class PromptState:
+    tag: int
+    n: int
+    delta: bool
+    prompt_token_ids: list[int] | None = None
+    seqs: dict[int, SequenceState] = field(default_factory=dict)
+
+
+@dataclass
+class _RowChunks:
+    positions: list[torch.Tensor] = field(default_factory=list)
+    token_ids: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+
+
+class RequestRecord:
+    """State of one request: prompts in the order the handler submitted them, rows by sequence."""
+
+    def __init__(self, key: str, spec: UncertaintySpec, logprobs_needed: int):
+        self.key = key
+        self.spec = spec
+        self.logprobs_needed = logprobs_needed
+        self.prompts: list[PromptState] = []
+        self._rows: dict[tuple[int, int], _RowChunks] = {}
+        self.capture_errors: list[str] = []
+
+    # ------------------------------------------------------------------ engine outputs
+    def new_prompt(self, n: int, delta: bool) -> tuple[int, int]:
+        """Register one generate call; returns (prompt index, its tag)."""
+        self.prompts.append(PromptState(new_tag(), n, delta))
+        return len(self.prompts) - 1, self.prompts[-1].tag
+
+    def observe(self, prompt_index: int, request_output: Any) -> None:
+        p = self.prompts[prompt_index]
+        if p.prompt_token_ids is None and request_output.prompt_token_ids is not None:
+            p.prompt_token_ids = list(request_output.prompt_token_ids)
+        for out in request_output.outputs:
+            s = p.seqs.setdefault(out.index, SequenceState())
+            logprobs = list(out.logprobs) if out.logprobs is not None else []
+            if p.delta:
+                s.token_ids.extend(out.token_ids)
+                s.logprobs.extend(logprobs)
+                s.text += out.text
+            else:
+                s.token_ids, s.logprobs, s.text = list(out.token_ids), logprobs, out.text
+            s.finish_reason = out.finish_reason
+
+    @property
+    def tags(self) -> list[int]:
+        return [p.tag for p in self.prompts]
+
+    def locate(self, choice_index: int) -> tuple[int, int]:
+        """(prompt index, sample) of an OpenAI choice index (vLLM: prompt * n + sample)."""
+        n = self.prompts[0].n if self.prompts else 1
+        return divmod(choice_index, n)
+
+    # ------------------------------------------------------------------ captured rows
+    def add_rows(self, rows: CapturedRows) -> None:
+        if rows.error:
+            self.capture_errors.append(rows.error)
+        if not rows.num_rows:
+            return
+        order = torch.argsort(rows.samples, stable=True)
+        order = order[torch.argsort(rows.tags[order], stable=True)]  # by (tag, sample)
+        keys = torch.stack([rows.tags[order], rows.samples[order]], 1)
+        uniq, counts = torch.unique_consecutive(keys, dim=0, return_counts=True)
+        start = 0
+        for (tag, sample), c in zip(uniq.tolist(), counts.tolist()):
+            idx = order[start : start + c]
+            start += c
+            chunks = self._rows.setdefault((tag, sample), _RowChunks())
+            chunks.positions.append(rows.positions[idx])
+            chunks.token_ids.append(rows.token_ids[idx])
+            chunks.hidden.append(rows.hidden[idx])
+
+    def captured(self, tag: int, sample: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(positions, input token ids, hidden) captured so far for one sequence."""
+        c = self._rows.get((tag, sample))
+        if c is None or not c.positions:
+            return None
+        if len(c.positions) > 1:  # concatenate once, keep one chunk
+            c.positions, c.token_ids, c.hidden = ([torch.cat(c.positions)], [torch.cat(c.token_ids)],
+                                                  [torch.cat(c.hidden)])
+        return c.positions[0], c.token_ids[0], c.hidden[0]
+
+    def bytes_held(self) -> int:
+        return sum(h.numel() * h.element_size() for c in self._rows.values() for h in c.hidden)

@@ -1,0 +1,183 @@
+"""Per-request uncertainty work inside the API server: fetch this request's rows, make them
+exact, score them, encode the rows a client asked for.
+
+One instance per server. It holds the row store and the registry of running uncertainty requests;
+all of it runs on the server's event loop, so no locks are needed. Rows cross the process boundary
+only as safetensors bytes (``uhead_fetch_tags``), never pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import uuid
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+from ..capture.protocol import CapturedRows, RequestTag, decode_rows
+from ..generation.prefix_store import PrefixRowStore
+from .record import RequestRecord, new_tag
+from .rows import complete_rows, place_captured
+from .scoring import Scorer
+from .spec import BadUncertaintyRequest, ServerLimits, UncertaintySpec
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+class UncertaintyService:
+    """Everything between vLLM's OpenAI handlers and the worker's captured rows."""
+
+    def __init__(self, engine: Any, scorer: Scorer | None, captured_layers: tuple[int, ...], hidden_size: int,
+                 dtype: torch.dtype, block_size: int, max_rows_bytes: int, store_bytes: int):
+        self.engine = engine  # the real engine client (not the tap)
+        self.scorer = scorer
+        self.captured_layers = captured_layers
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.store = PrefixRowStore(block_size, store_bytes)
+        self.limits = ServerLimits(captured_layers, hidden_size, scorer.name if scorer else None, max_rows_bytes)
+        self.registry: dict[str, RequestRecord] = {}
+        self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
+                         "capture_errors": 0, "released_early": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self, spec: UncertaintySpec) -> RequestRecord:
+        record = RequestRecord(uuid.uuid4().hex, spec, self.scorer.logprobs_needed if spec.steps else 0)
+        self.registry[record.key] = record
+        self.counters["requests"] += 1
+        return record
+
+    async def release(self, record: RequestRecord) -> None:
+        """Forget a request: drop its rows here and in the worker, stop recording its tags."""
+        self.registry.pop(record.key, None)
+        if record.tags:
+            await self._fetch_tags(record.tags, forget=True)
+
+    def release_soon(self, record: RequestRecord) -> None:
+        """Release from a cancelled context (client gone): run it as its own task."""
+        self.counters["released_early"] += 1
+        task = asyncio.ensure_future(self.release(record))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def fetch(self, record: RequestRecord) -> None:
+        """Move the rows the worker recorded for this request so far into its record."""
+        if record.tags:
+            rows = await self._fetch_tags(record.tags)
+            if rows.error:
+                self.counters["capture_errors"] += 1
+            record.add_rows(rows)
+
+    async def _fetch_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+        payloads = [p for p in await self.engine.collective_rpc("uhead_fetch_tags", args=(tags, forget))
+                    if p is not None]
+        if len(payloads) != 1:
+            raise RuntimeError(f"expected one capture payload, got {len(payloads)}: is the worker "
+                               "extension installed (--worker-extension-cls)?")
+        return decode_rows(payloads[0])
+
+    async def _recompute(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward ``ids`` once more, prefix cache not read, and return the rows it captured."""
+        from vllm import SamplingParams
+
+        tag = new_tag()
+        params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True,
+                                extra_args=RequestTag(tag, 0).to_extra_args())
+        async for _ in self.engine.generate({"prompt_token_ids": ids}, params, f"uhead-recompute-{tag}"):
+            pass
+        rows = await self._fetch_tags([tag], forget=True)
+        self.counters["recompute_requests"] += 1
+        return rows.positions, rows.token_ids, rows.hidden
+
+    # ------------------------------------------------------------------ one sequence
+    async def sequence_rows(self, record: RequestRecord, prompt_index: int, sample: int, need_from: int | None,
+                            final: bool) -> tuple[torch.Tensor, int]:
+        """Exact rows ``[num_rows, L, H]`` of one sequence and its prompt length.
+
+        ``need_from``: first position that must be exact (0 for returned rows, the prompt length
+        for scoring; None = the prompt length). ``final=False`` (streaming) completes nothing:
+        rows of a running sequence exist up to its newest token's predecessor.
+        """
+        p = record.prompts[prompt_index]
+        s = p.seqs[sample]
+        prompt = p.prompt_token_ids or []
+        expected = torch.tensor(prompt + s.token_ids, dtype=torch.int64)
+        num_rows = max(len(expected) - 1, 0)
+        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), len(self.captured_layers),
+                                     self.hidden_size, self.dtype)
+        start = len(prompt) if need_from is None else need_from
+        if final:
+            stats = await complete_rows(expected, rows, valid, start, self.store, self._recompute)
+            for k, v in stats.items():
+                self.counters[k] += v
+        elif not bool(valid[start:].all()):
+            raise RuntimeError("rows of a running sequence are missing")  # caller falls back to the end
+        return rows, len(prompt)
+
+    async def choice_uncertainty(self, record: RequestRecord, choice_index: int) -> dict[str, Any]:
+        """The ``uncertainty`` object of one finished choice."""
+        prompt_index, sample = record.locate(choice_index)
+        spec = record.spec
+        rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, 0 if spec.rows else None, True)
+        s = record.prompts[prompt_index].seqs[sample]
+        out: dict[str, Any] = {}
+        if spec.steps:
+            scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, rows[prompt_len:])
+            out.update(scored)
+            out["head"] = self.scorer.name
+        if spec.rows:
+            out["rows"] = self._encode_rows(rows, record.prompts[prompt_index].prompt_token_ids + s.token_ids, spec)
+        return out
+
+    async def new_stream_steps(self, record: RequestRecord, choice_index: int) -> list[dict[str, Any]]:
+        """Scores of the steps of a running choice that completed since the last call."""
+        prompt_index, sample = record.locate(choice_index)
+        s = record.prompts[prompt_index].seqs.get(sample)
+        if s is None or not record.spec.steps:
+            return []
+        spans = self.scorer.final_spans(s.token_ids)
+        if len(spans) <= s.steps_sent:
+            return []
+        await self.fetch(record)
+        try:
+            rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, None, False)
+        except RuntimeError:
+            s.steps_sent = len(spans)  # a row is missing (e.g. preempted): the final chunk has them
+            return []
+        new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)], rows[prompt_len:],
+                                      spans[s.steps_sent :])
+        s.steps_sent = len(spans)
+        return new
+
+    def _encode_rows(self, rows: torch.Tensor, token_ids: list[int], spec: UncertaintySpec) -> dict[str, Any]:
+        idx = [self.captured_layers.index(k) for k in spec.rows.layers]
+        dtype = torch.float32 if spec.rows.dtype == "float32" else torch.bfloat16
+        hidden = rows[:, idx].to(dtype).contiguous()
+        payload = st_save({"hidden": hidden, "token_ids": torch.tensor(token_ids[: rows.shape[0]], dtype=torch.int64)},
+                          metadata={"layers": json.dumps(list(spec.rows.layers))})
+        return {"layers": list(spec.rows.layers), "dtype": spec.rows.dtype, "num_rows": int(rows.shape[0]),
+                "format": "safetensors", "safetensors_b64": base64.b64encode(payload).decode("ascii"),
+                "raw_bytes": hidden.numel() * hidden.element_size()}
+
+    @staticmethod
+    def check_rows_size(record: RequestRecord, objects: list[dict[str, Any]]) -> None:
+        """Refuse a response whose rows (prompt rows included) exceed the request's budget."""
+        total = sum(o.get("rows", {}).get("raw_bytes", 0) for o in objects)
+        if record.spec.rows and total > record.spec.max_bytes:
+            raise BadUncertaintyRequest(
+                f"rows budget exceeded: the rows of this response take {total} bytes (prompt rows "
+                f"included) > max_bytes {record.spec.max_bytes}; ask for fewer layers, bfloat16 or a "
+                "larger max_bytes")
+
+    async def status(self) -> dict[str, Any]:
+        """Memory and counters: what the server and the worker hold now (for tests and ops)."""
+        worker = [json.loads(s) for s in await self.engine.collective_rpc("uhead_status")]
+        held = sum(w.get("bytes_held", 0) for w in worker if w.get("recording"))
+        return {"running_requests": len(self.registry), "worker_bytes_held": held,
+                "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
+                "store_bytes": self.store.bytes_held, "store_blocks": len(self.store),
+                "captured_layers": list(self.captured_layers), "head": self.limits.head_name,
+                **self.counters}

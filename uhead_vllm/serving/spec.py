@@ -1,0 +1,142 @@
+"""The request's ``uncertainty`` field: parsed and checked before anything runs.
+
+Everything a client can get wrong is refused here with a message that says what to send instead,
+so the handler can answer HTTP 400 and the engine never sees a malformed request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Prefix of every ``vllm_xargs`` key the server uses internally; clients may not send them (a
+#: forged capture tag would read another request's rows or crash the worker's tag parser).
+RESERVED_XARGS_PREFIX = "uhead_vllm"
+_KEYS = {"head", "steps", "rows", "max_bytes"}
+_ROW_KEYS = {"layers", "dtype"}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class BadUncertaintyRequest(ValueError):
+    """The client's request cannot be served as asked (answered with HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class RowsSpec:
+    """Captured rows to return: HF hidden-state layer indices and the dtype they travel in."""
+
+    layers: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def bytes_per_value(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class UncertaintySpec:
+    """What one request asked for; ``max_bytes`` bounds the rows it may receive."""
+
+    steps: bool = True
+    rows: RowsSpec | None = None
+    max_bytes: int = 0
+    head: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What this server can serve: the captured layers, hidden size, its head, the byte cap."""
+
+    captured_layers: tuple[int, ...]
+    hidden_size: int
+    head_name: str | None
+    max_rows_bytes: int
+
+
+def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | None:
+    """``None`` when the client did not ask (absent, null or false); else a checked spec."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise BadUncertaintyRequest(
+            f"'uncertainty' must be true or an object like {{\"steps\": true, \"rows\": {{\"layers\": "
+            f"[{limits.captured_layers[0]}]}}, \"max_bytes\": 1000000}}; got {type(value).__name__}")
+    unknown = sorted(set(value) - _KEYS)
+    if unknown:
+        raise BadUncertaintyRequest(f"unknown key(s) {unknown} in 'uncertainty'; allowed: {sorted(_KEYS)}")
+    head = value.get("head")
+    if head is not None:
+        if limits.head_name is None:
+            raise BadUncertaintyRequest("this server has no uncertainty head; ask only for rows")
+        if head != limits.head_name:
+            raise BadUncertaintyRequest(f"unknown head {head!r}; this server serves head {limits.head_name!r}")
+    steps = value.get("steps", limits.head_name is not None)
+    if not isinstance(steps, bool):
+        raise BadUncertaintyRequest(f"'uncertainty.steps' must be a boolean, got {steps!r}")
+    if steps and limits.head_name is None:
+        raise BadUncertaintyRequest("this server has no uncertainty head: 'steps' cannot be scored; "
+                                    "ask for rows only ({\"steps\": false, \"rows\": {...}})")
+    rows = _parse_rows(value.get("rows"), limits)
+    max_bytes = value.get("max_bytes", limits.max_rows_bytes)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise BadUncertaintyRequest(f"'uncertainty.max_bytes' must be a positive integer, got {max_bytes!r}")
+    if max_bytes > limits.max_rows_bytes:
+        raise BadUncertaintyRequest(f"'uncertainty.max_bytes' {max_bytes} exceeds this server's limit "
+                                    f"{limits.max_rows_bytes} (--max-rows-bytes)")
+    if not steps and rows is None and limits.head_name is None:
+        raise BadUncertaintyRequest("this server has no uncertainty head (--head none): ask for rows, "
+                                    "e.g. {\"rows\": {\"layers\": [...]}}")
+    if not steps and rows is None:
+        raise BadUncertaintyRequest("'uncertainty' asks for nothing: set steps to true or ask for rows")
+    return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head)
+
+
+def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise BadUncertaintyRequest("'uncertainty.rows' must be an object like {\"layers\": [0, 2]}")
+    unknown = sorted(set(value) - _ROW_KEYS)
+    if unknown:
+        raise BadUncertaintyRequest(f"unknown key(s) {unknown} in 'uncertainty.rows'; allowed: {sorted(_ROW_KEYS)}")
+    layers = value.get("layers", list(limits.captured_layers))
+    if (not isinstance(layers, list) or not layers
+            or any(isinstance(k, bool) or not isinstance(k, int) for k in layers)):
+        raise BadUncertaintyRequest(f"'uncertainty.rows.layers' must be a non-empty list of integers, got {layers!r}")
+    missing = [k for k in layers if k not in limits.captured_layers]
+    if missing:
+        raise BadUncertaintyRequest(
+            f"layer(s) {missing} are not captured by this server; captured layers: "
+            f"{list(limits.captured_layers)} (start the server with --layers to capture others)")
+    if len(set(layers)) != len(layers):
+        raise BadUncertaintyRequest(f"'uncertainty.rows.layers' has duplicates: {layers}")
+    dtype = value.get("dtype", "float32")
+    if dtype not in _DTYPE_BYTES:
+        raise BadUncertaintyRequest(f"'uncertainty.rows.dtype' must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    return RowsSpec(tuple(int(k) for k in layers), dtype)
+
+
+def check_row_budget(spec: UncertaintySpec, num_sequences: int, max_tokens: int | None, hidden_size: int) -> None:
+    """Refuse before generating when the generated rows alone would exceed the request's budget."""
+    if spec.rows is None:
+        return
+    per_token = len(spec.rows.layers) * hidden_size * spec.rows.bytes_per_value
+    if max_tokens is None:
+        raise BadUncertaintyRequest("asking for rows needs max_tokens (max_completion_tokens), so the "
+                                    "byte budget can be checked before generating")
+    least = num_sequences * max_tokens * per_token
+    if least > spec.max_bytes:
+        raise BadUncertaintyRequest(
+            f"rows budget exceeded: {num_sequences} sequence(s) x {max_tokens} tokens x "
+            f"{len(spec.rows.layers)} layer(s) x {hidden_size} x {spec.rows.bytes_per_value} bytes "
+            f"= {least} bytes > max_bytes {spec.max_bytes}; ask for fewer layers or tokens, "
+            "bfloat16, or a larger max_bytes")
+
+
+def check_user_xargs(xargs: dict | None) -> None:
+    """Refuse client ``vllm_xargs`` keys reserved for the server's capture tags."""
+    bad = sorted(k for k in (xargs or {}) if str(k).startswith(RESERVED_XARGS_PREFIX))
+    if bad:
+        raise BadUncertaintyRequest(f"vllm_xargs keys {bad} are reserved for the uncertainty server")
