@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 from .record import RequestRecord
 from .service import UncertaintyService
 from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_uncertainty
-from .vllm_hooks import MARK
+from ..adapters.server import MARK
 
 logger = logging.getLogger("uhead_vllm.serving")
 

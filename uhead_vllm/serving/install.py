@@ -12,7 +12,7 @@ from typing import Any
 
 from ..capture.protocol import CAPTURE_KEY, CaptureSettings
 from .service import UncertaintyService
-from .vllm_hooks import EngineTap, install_child_tags
+from ..adapters.server import EngineTap, install_child_tags
 
 SERVE_KEY = "uhead_vllm_serve"
 DEFAULT_MAX_ROWS_BYTES = 64 << 20

@@ -82,15 +82,10 @@ def run(args: argparse.Namespace, passthrough: Sequence[str]) -> int:
 
     if REPO_ROOT is not None:  # share compile caches with tests and benchmarks
         os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO_ROOT / ".cache" / "vllm"))
-    import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from ..adapters.server import parse_serve_args, run_api_server
 
     argv = vllm_argv(args, passthrough)
-    parser = make_arg_parser(FlexibleArgumentParser(prog="uhead-vllm serve"))
-    vargs = parser.parse_args(argv)
-    validate_parsed_serve_args(vargs)
+    vargs = parse_serve_args(argv, prog="uhead-vllm serve")
     print(f"uhead-vllm serve: vLLM {' '.join(argv)}", file=sys.stderr, flush=True)
-    uvloop.run(run_server(vargs))
+    run_api_server(vargs)
     return 0

@@ -1,4 +1,4 @@
-"""The two places where the server touches vLLM internals (vLLM 0.32's API server process).
+"""vLLM's OpenAI API server internals the serving layer needs (checked against vLLM 0.32).
 
 1. n>1: vLLM fans a request out into children that share one ``extra_args`` dict, so the worker
    could not tell their rows apart. A wrapper around ``ParentRequest._get_child_sampling_params``
@@ -71,3 +71,21 @@ class EngineTap:
                 yield out
         finally:
             await outputs.aclose()  # closing vLLM's generator aborts the request now, not at GC
+
+
+def parse_serve_args(argv: list[str], prog: str) -> Any:
+    """Parse ``argv`` with vLLM's own ``vllm serve`` parser and validate it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vargs = make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
+    validate_parsed_serve_args(vargs)
+    return vargs
+
+
+def run_api_server(vargs: Any) -> None:
+    """Run vLLM's own OpenAI-compatible API server until it shuts down."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+
+    uvloop.run(run_server(vargs))
