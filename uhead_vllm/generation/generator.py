@@ -365,32 +365,21 @@ class VllmHiddenStatesGenerator:
         for q, a, b in zip(seqs, offsets[:-1].tolist(), offsets[1:].tolist()):
             q.rows, q.valid = flat[a:b], valid[a:b]
 
-    def _alloc(self, q: _Seq, like: torch.Tensor) -> None:
-        if q.rows is None:
-            q.rows = torch.empty((q.num_rows, *like.shape[1:]), dtype=like.dtype)
-
     def _place(self, seqs: list[_Seq], captured: CapturedRows, owners: dict) -> None:
+        """Recompute pass: place rows into the sequences' buffers from the first pass."""
         by_tag = {t: q for t, q in zip(owners, seqs)}
-        hidden_template = captured.hidden if captured.num_rows else None
-        if captured.num_rows:
-            order = torch.argsort(captured.tags, stable=True)
-            tags_sorted = captured.tags[order]
-            uniq, counts = torch.unique_consecutive(tags_sorted, return_counts=True)
-            start = 0
-            for t, c in zip(uniq.tolist(), counts.tolist()):
-                idx = order[start : start + c]
-                start += c
-                q = by_tag.get(t)
-                if q is None:
-                    continue
-                self._alloc(q, captured.hidden)
+        if not captured.num_rows:
+            return
+        order = torch.argsort(captured.tags, stable=True)
+        uniq, counts = torch.unique_consecutive(captured.tags[order], return_counts=True)
+        start = 0
+        for t, c in zip(uniq.tolist(), counts.tolist()):
+            idx = order[start : start + c]
+            start += c
+            q = by_tag.get(t)
+            if q is not None:
                 place_rows(q.expected, q.num_rows, captured.positions[idx], captured.token_ids[idx],
                            captured.hidden[idx], q.rows, q.valid)
-        for q in seqs:
-            if q.rows is None:
-                dtype = self.client.settings.torch_dtype
-                H = hidden_template.shape[-1] if hidden_template is not None else self._hidden_size()
-                q.rows = torch.empty((q.num_rows, len(self.layers), H), dtype=dtype)
 
     def _hidden_size(self) -> int:
         return engine_internals.hidden_size(self.llm)
