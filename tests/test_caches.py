@@ -34,6 +34,51 @@ def test_store_fills_only_matching_full_blocks_and_evicts_lru():
     assert len(store) == 2 and store.evictions == 2
 
 
+def test_store_keeps_views_counts_buffers_and_retires_rows_edited_in_place():
+    ids = list(range(8))
+    rows = torch.randn(8, 2, 3)
+    store = PrefixRowStore(block_size=4, max_bytes=1 << 20)
+    assert store.put(ids, rows, torch.ones(8, dtype=torch.bool), seal=False) == 2
+    (block,) = {t.untyped_storage().data_ptr() for t in store.tensors()}
+    assert block == rows.untyped_storage().data_ptr()  # views of the call's rows, no copy
+    assert store.bytes_held == rows.numel() * rows.element_size()  # the whole buffer, once
+    rows[6] += 1.0  # the caller still writes into its buffer before sealing: still served
+    store.seal()
+    out, valid = torch.empty(8, 2, 3), torch.zeros(8, dtype=torch.bool)
+    assert store.fill(ids, out, valid) == 8 and torch.equal(out, rows)
+    # A later call with the same blocks re-points them to its own buffer, releasing the old one.
+    newer = rows.clone()
+    assert store.put(ids, newer, torch.ones(8, dtype=torch.bool), replace=True) == 0
+    assert {t.untyped_storage().data_ptr() for t in store.tensors()} == {newer.untyped_storage().data_ptr()}
+    assert store.bytes_held == newer.numel() * newer.element_size()
+    newer[1] *= 2.0  # edited in place after sealing (a user changing returned rows)
+    out, valid = torch.empty(8, 2, 3), torch.zeros(8, dtype=torch.bool)
+    assert store.fill(ids, out, valid) == 0 and not valid.any()
+    assert store.stale_drops == 2 and len(store) == 0 and store.bytes_held == 0
+
+
+def test_store_copies_blocks_of_a_buffer_larger_than_its_budget():
+    rows = torch.randn(12, 2, 3)  # 288 bytes; budget 200: storing views would keep 288 alive
+    store = PrefixRowStore(block_size=4, max_bytes=200)
+    store.put(list(range(12)), rows, torch.ones(12, dtype=torch.bool))
+    held = store.tensors()
+    assert len(held) == 2 and all(t.untyped_storage().nbytes() == 96 for t in held)
+    assert store.bytes_held == 192 and store.evictions == 1
+    assert all(t.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr() for t in held)
+
+
+def test_continued_step_records_own_their_rows():
+    cache = StepCache(max_idle_calls=2)
+    cache.begin_call()
+    call_rows = torch.randn(20, 1, 2)
+    cache.extend("Q\n", StepRecord("a\n", [1], call_rows[5:9]), [])
+    assert cache.tensors()[0].untyped_storage().data_ptr() == call_rows.untyped_storage().data_ptr()
+    cache.begin_call()
+    (record,) = cache.history_for("Q\na\n")
+    assert record.hidden.untyped_storage().nbytes() == 4 * 2 * 4  # a compact copy, not the call
+    assert torch.equal(record.hidden, call_rows[5:9])
+
+
 def test_step_cache_continues_trims_and_keeps_candidates_apart():
     cache = StepCache(max_idle_calls=2)
     cache.begin_call()

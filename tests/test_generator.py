@@ -136,6 +136,21 @@ def test_starved_store_recomputes_exactly_and_strict_mode_raises(llm, model_path
         strict.generate(prompts, sp)
 
 
+def test_rows_edited_in_place_are_recomputed_not_served(llm, model_path):
+    prompts = [SHARED * 2 + t for t in TAILS[:2]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    first = gen.generate(prompts, sp)
+    rows = first.hidden_states[0][0].hidden
+    assert first.stats.held_bytes >= rows.untyped_storage().nbytes()  # the call's buffer is held
+    rows.mul_(0.0)  # a user edits returned rows in place: the store shares them, must not serve them
+    res = gen.generate(prompts, sp)  # vLLM serves the shared blocks from its prefix cache
+    assert res.stats.prefix_cache_rows > 0 and res.stats.store_stale_drops > 0
+    assert res.stats.rows_recomputed > 0
+    check_all(model_path, res)
+
+
 def test_diverging_candidates_keep_their_own_rows(llm, model_path):
     gen = VllmHiddenStatesGenerator(llm)
     gen.reset_hs_step_cache(reset_prefix_cache=True)

@@ -82,10 +82,15 @@ class CapturedRows:
     """All rows of one fetch. Row r belongs to (tags[r], samples[r]) at positions[r], where the
     forwarded input token was token_ids[r]; hidden[r] is [num_layers, hidden_size].
     ``chunk_offsets`` delimit the contiguous chunks as scheduled (one per request per forward), so
-    chunked prefill and prefix-cache skips stay visible."""
+    chunked prefill and prefix-cache skips stay visible.
+
+    The rows may arrive as several consecutive parts (one per recorded step, handed over in
+    process without concatenating them: on a GPU each part is the pinned buffer its step was
+    copied into); ``hidden`` concatenates them once, on first use, and ``hidden_parts`` yields
+    them as they are, for a consumer that can place rows part by part without that extra copy."""
 
     layers: tuple[int, ...]
-    hidden: torch.Tensor  # [R, L, H]
+    hidden_parts: list[torch.Tensor] | torch.Tensor  # consecutive [R_i, L, H] parts (a tensor = one part)
     tags: torch.Tensor  # [R] int64
     samples: torch.Tensor  # [R] int64
     positions: torch.Tensor  # [R] int64
@@ -93,6 +98,19 @@ class CapturedRows:
     chunk_offsets: torch.Tensor  # [C + 1] int64
     error: str | None = None
     stats: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hidden_parts, torch.Tensor):
+            self.hidden_parts = [self.hidden_parts]
+        if not self.hidden_parts:
+            raise ValueError("CapturedRows needs at least one (possibly empty) hidden part")
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """All rows ``[R, L, H]`` in one tensor (concatenated once, then kept)."""
+        if len(self.hidden_parts) > 1:
+            self.hidden_parts = [torch.cat(self.hidden_parts)]
+        return self.hidden_parts[0]
 
     @property
     def num_rows(self) -> int:
@@ -128,7 +146,7 @@ def decode_rows(payload: bytes) -> CapturedRows:
     t = st_load(bytes(payload))
     meta = _read_metadata(bytes(payload))
     return CapturedRows(
-        layers=tuple(json.loads(meta["layers"])), hidden=t["hidden"], tags=t["tags"],
+        layers=tuple(json.loads(meta["layers"])), hidden_parts=t["hidden"], tags=t["tags"],
         samples=t["samples"], positions=t["positions"], token_ids=t["token_ids"],
         chunk_offsets=t["chunk_offsets"], error=meta.get("error"),
         stats=json.loads(meta.get("stats", "{}")),
@@ -147,7 +165,7 @@ def settings_to_json(settings: CaptureSettings) -> str:
 
 def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> CapturedRows:
     z = torch.zeros(0, dtype=torch.int64)
-    return CapturedRows(layers=layers, hidden=torch.empty(0, len(layers), hidden_size, dtype=dtype),
+    return CapturedRows(layers=layers, hidden_parts=torch.empty(0, len(layers), hidden_size, dtype=dtype),
                         tags=z, samples=z.clone(), positions=z.clone(), token_ids=z.clone(),
                         chunk_offsets=torch.zeros(1, dtype=torch.int64))
 

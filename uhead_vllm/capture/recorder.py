@@ -148,24 +148,10 @@ class RowRecorder:
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
             self._copied = None
-        layers = tuple(self.settings.layers)
         stats = {"forwards_seen": self.forwards_seen, "forwards_expected": self.forwards_expected,
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                  "rows_recorded": self.rows_recorded, "bytes": self.bytes_held}
-        if not self.steps:
-            rows = empty_rows(layers, self.hidden_size, self.settings.torch_dtype)
-        else:
-            lens = torch.from_numpy(np.concatenate([s.lens for s in self.steps]))
-            meta = torch.cat([s.meta for s in self.steps], dim=1)
-            rows = CapturedRows(
-                layers=layers,
-                hidden=torch.cat([s.hidden for s in self.steps]),
-                tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in self.steps])), lens),
-                samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in self.steps])), lens),
-                positions=meta[0].contiguous(),
-                token_ids=meta[1].contiguous(),
-                chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-            )
+        rows = self._rows(self.steps)
         rows.error = self.error
         rows.stats = stats
         self.steps = []
@@ -174,7 +160,6 @@ class RowRecorder:
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
         self.rows_expected = self.rows_recorded = 0
         return rows
-
 
     def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
         """Hand over only the rows of ``tags`` (a server's concurrent requests each take their own).
@@ -208,26 +193,28 @@ class RowRecorder:
                               s.hidden[~row_hit], s.meta[:, ~row_hit]))
         self.steps = kept
         self.bytes_held = sum(s.hidden.numel() * s.hidden.element_size() for s in kept)
-        layers = tuple(self.settings.layers)
-        if not taken:
-            rows = empty_rows(layers, self.hidden_size, self.settings.torch_dtype)
-        else:
-            lens = torch.from_numpy(np.concatenate([s.lens for s in taken]))
-            meta = torch.cat([s.meta for s in taken], dim=1)
-            rows = CapturedRows(
-                layers=layers,
-                hidden=torch.cat([s.hidden for s in taken]),
-                tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in taken])), lens),
-                samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in taken])), lens),
-                positions=meta[0].contiguous(),
-                token_ids=meta[1].contiguous(),
-                chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-            )
+        rows = self._rows(taken)
         # A recorder error (budget) dropped every request's rows: report it once; the caller
         # recomputes what is missing.
         rows.error, self.error = self.error, None
         rows.stats = {"bytes_held": self.bytes_held}
         return rows
+
+    def _rows(self, steps: list[_Step]) -> CapturedRows:
+        """The steps' rows as one :class:`CapturedRows`, the hidden rows left as one part per step."""
+        if not steps:
+            return empty_rows(tuple(self.settings.layers), self.hidden_size, self.settings.torch_dtype)
+        lens = torch.from_numpy(np.concatenate([s.lens for s in steps]))
+        meta = torch.cat([s.meta for s in steps], dim=1)
+        return CapturedRows(
+            layers=tuple(self.settings.layers),
+            hidden_parts=[s.hidden for s in steps],
+            tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in steps])), lens),
+            samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in steps])), lens),
+            positions=meta[0].contiguous(),
+            token_ids=meta[1].contiguous(),
+            chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+        )
 
 
 def _runs(starts: list[int], ends: list[int]) -> list[tuple[int, int]]:

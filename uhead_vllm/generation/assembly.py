@@ -14,7 +14,7 @@ def place_rows(
     rows: torch.Tensor,
     valid: torch.Tensor,
 ) -> int:
-    """Write captured rows into ``rows[:num_rows]`` (in place) and mark them in ``valid``.
+    """Write captured rows into the rows of ``rows[:num_rows]`` not yet valid (in place); mark them.
 
     Only a row whose input token equals the final sequence's token at that position is used, and
     of those the last one captured wins: with speculative decoding, rows after a rejected draft
@@ -32,7 +32,7 @@ def place_rows(
         return 0
     last = torch.full((num_rows,), -1, dtype=torch.int64)
     last.scatter_reduce_(0, pos, idx, reduce="amax")
-    hit = last >= 0
+    hit = (last >= 0) & ~valid  # rows already placed stay: other holders may share them
     rows[hit] = hidden[last[hit]].to(rows.dtype)
     valid |= hit
     return int(hit.sum())

@@ -23,7 +23,7 @@ from ..capture.protocol import CapturedRows, RequestTag
 from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
-from .prefix_store import PrefixRowStore
+from .prefix_store import PrefixRowStore, held_bytes
 from .step_cache import StepCache, StepRecord
 
 PromptLike = str | list[dict] | dict
@@ -74,10 +74,15 @@ class GenerationStats:
     rows_recomputed: int = 0
     recompute_requests: int = 0
     store_evictions: int = 0
+    store_stale_drops: int = 0  # stored blocks retired because their rows were changed in place
+    # A level, not a count (the cumulative stats keep the latest): bytes of row buffers the
+    # generator keeps alive after the call, for the prefix row store and the step cache together.
+    held_bytes: int = 0
 
     def add(self, other: "GenerationStats") -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            level = f.name == "held_bytes"
+            setattr(self, f.name, getattr(other, f.name) + (0 if level else getattr(self, f.name)))
 
 
 @dataclass
@@ -91,6 +96,11 @@ class SampleHiddenStates:
     ``last_row_missing`` is True when the last row was asked for but cannot exist: the sequence
     fills ``max_model_len`` and vLLM refuses to forward a prompt that long. Such a sample keeps
     ``len(token_ids) - 1`` exact rows instead of failing the whole call.
+
+    ``hidden`` is a view into one buffer that holds every sample of the call, shared (not copied)
+    with the generator's prefix row store and step cache. Editing it in place is safe but not
+    free: the store notices (the buffer's version counter) and recomputes those rows when a later
+    call needs them. Clone first to edit rows without that cost.
     """
 
     prompt_index: int
@@ -276,14 +286,24 @@ class VllmHiddenStatesGenerator:
                     q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
         stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
-        for q in seqs:
-            self.store.put(q.expected, q.rows, q.valid)
-        for q in seqs:
-            stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
-        self._recompute_missing(seqs, stats)
-        stats.store_evictions = self.store.evictions - self.stats.store_evictions
+        evictions, stale = self.store.evictions, self.store.stale_drops
+        try:
+            # The store keeps views of this call's rows (no copy); sealed once every row is in.
+            for q in seqs:
+                self.store.put(q.expected, q.rows, q.valid, seal=False)
+            for q in seqs:
+                stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
+            self._recompute_missing(seqs, stats)
+            for q in seqs:
+                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True)
+        finally:
+            self.store.seal()
+        stats.store_evictions = self.store.evictions - evictions
+        stats.store_stale_drops = self.store.stale_drops - stale
+        result = self._result(prompts, rendered, seqs, stats)
+        stats.held_bytes = held_bytes(self.store.tensors() + self.step_cache.tensors())
         self.stats.add(stats)
-        return self._result(prompts, rendered, seqs, stats)
+        return result
 
     # ------------------------------------------------------------------ internals
     def _check_capture_complete(self, captured: CapturedRows, stats: GenerationStats, outputs: list) -> None:
@@ -339,11 +359,12 @@ class VllmHiddenStatesGenerator:
         offsets[1:] = lens.cumsum(0)
         total = int(offsets[-1])
         if captured.num_rows:
-            hidden_size, dtype = captured.hidden.shape[-1], captured.hidden.dtype
+            hidden_size, dtype = captured.hidden_parts[0].shape[-1], captured.hidden_parts[0].dtype
         else:
             hidden_size, dtype = self._hidden_size(), self.client.settings.torch_dtype
-        flat = torch.empty((total, len(self.layers), hidden_size), dtype=dtype)
-        valid = torch.zeros(total, dtype=torch.bool)
+        with torch.inference_mode(False):  # the store relies on the buffer's version counter
+            flat = torch.empty((total, len(self.layers), hidden_size), dtype=dtype)
+            valid = torch.zeros(total, dtype=torch.bool)
         if captured.num_rows and total:
             seq_tags = torch.tensor(tags, dtype=torch.int64)
             order = torch.argsort(seq_tags)
@@ -358,7 +379,10 @@ class VllmHiddenStatesGenerator:
             last.scatter_reduce_(0, dest[src], src, reduce="amax")
             hit = last >= 0
             if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():
-                flat.index_copy_(0, dest, captured.hidden)  # every row used once: one copy
+                start = 0  # every row used once: one copy, part by part (no concatenation)
+                for part in captured.hidden_parts:
+                    flat.index_copy_(0, dest[start : start + part.shape[0]], part)
+                    start += part.shape[0]
             else:
                 flat[hit] = captured.hidden[last[hit]]
             valid = hit
@@ -417,7 +441,6 @@ class VllmHiddenStatesGenerator:
         self._place(list(owners.values()), captured, owners)
         for q in todo:
             stats.rows_recomputed += int(q.valid.sum()) - before[id(q)]
-            self.store.put(q.expected, q.rows, q.valid)
             if not bool(q.valid.all()):
                 missing = torch.nonzero(~q.valid).flatten().tolist()
                 raise RuntimeError(f"rows at positions {missing[:10]} could not be computed; this is a bug")
@@ -442,7 +465,7 @@ class VllmHiddenStatesGenerator:
                 hidden=q.rows, last_row_missing=q.last_row_missing,
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
-                                hidden=q.rows[len(prompt_ids):].clone())
+                                hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued
             sample.steps = self.step_cache.extend(q.prompt, record, parents[q.prompt])
             hidden[i].append(sample)
         return HiddenStatesGeneration(outputs=merged, hidden_states=hidden, stats=stats)

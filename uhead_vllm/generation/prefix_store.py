@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -26,50 +27,85 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int) -> li
     return keys
 
 
+@dataclass
+class _Block:
+    rows: torch.Tensor  # [block_size, L, H]: a view into the rows of the call that produced it
+    version: int | None  # the rows' version counter when sealed; None until the call ends
+
+
 class PrefixRowStore:
-    """LRU store of per-block rows ``[block_size, layers, hidden]`` under a byte budget."""
+    """LRU store of per-block rows ``[block_size, layers, hidden]`` under a byte budget.
+
+    Blocks are views into the row buffers of the calls that produced them, not copies: storing a
+    call's rows costs nothing. The budget therefore counts what the store keeps alive, the whole
+    buffers its blocks point into (a buffer larger than the budget is stored as block copies
+    instead). A block found again in a later call is re-pointed to that call's buffer, so old
+    buffers are released as their blocks age out. A view shares its buffer's version counter:
+    a buffer changed in place after its call (by a user editing returned rows) no longer serves
+    rows; its blocks are dropped and the rows recomputed.
+    """
 
     def __init__(self, block_size: int, max_bytes: int = 1 << 30):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.max_bytes = int(max_bytes)
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._buffers: dict[int, list[int]] = {}  # storage address -> [bytes, blocks pointing into it]
         self.bytes_held = 0
         self.evictions = 0
+        self.stale_drops = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._buffers.clear()
         self.bytes_held = 0
 
-    def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor) -> int:
-        """Store every full block whose rows are all valid; returns how many blocks were new."""
+    def tensors(self) -> list[torch.Tensor]:
+        """The stored blocks (for accounting of what a generator holds)."""
+        return [b.rows for b in self._blocks.values()]
+
+    def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, *, seal: bool = True,
+            replace: bool = False) -> int:
+        """Store every full block whose rows are all valid; returns how many blocks were new.
+
+        ``seal=False`` leaves the blocks unversioned until :meth:`seal` (the caller still writes
+        missing rows into the same buffer); ``replace=True`` re-points blocks already stored to
+        ``rows`` (the newest buffer), so older buffers can be released.
+        """
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
         if n_blocks == 0:
             return 0
         complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
+        copy = _buffer_bytes(rows) > self.max_bytes
         added = 0
         for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks)):
-            if key in self._blocks:
+            old = self._blocks.get(key)
+            if old is not None:
                 self._blocks.move_to_end(key)
+                if not (replace and complete[b]) or _same_buffer(old.rows, rows):
+                    continue
+                self._release(old.rows)
+            elif not complete[b]:
                 continue
-            if not complete[b]:
-                continue
-            block = rows[b * self.block_size : (b + 1) * self.block_size].clone()
-            size = block.numel() * block.element_size()
-            if size > self.max_bytes:
-                return added
-            self._blocks[key] = block
-            self.bytes_held += size
-            added += 1
-            while self.bytes_held > self.max_bytes:
-                _, old = self._blocks.popitem(last=False)
-                self.bytes_held -= old.numel() * old.element_size()
-                self.evictions += 1
+            else:
+                added += 1
+            block = rows[b * self.block_size : (b + 1) * self.block_size]
+            if copy:
+                block = block.clone()
+            self._blocks[key] = _Block(block, block._version if seal else None)
+            self._hold(block)
+            self._evict()
         return added
+
+    def seal(self) -> None:
+        """Stamp unversioned blocks: from now on an in-place change to their buffer retires them."""
+        for block in self._blocks.values():
+            if block.version is None:
+                block.version = block.rows._version
 
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor) -> int:
         """Fill invalid rows of full blocks from the store in place; returns rows filled."""
@@ -88,10 +124,55 @@ class PrefixRowStore:
             block = self._blocks.get(key)
             if block is None:
                 continue
+            if block.version is not None and block.rows._version != block.version:
+                del self._blocks[key]  # its buffer was changed in place after its call
+                self._release(block.rows)
+                self.stale_drops += 1
+                continue
             self._blocks.move_to_end(key)
             s = slice(b * self.block_size, (b + 1) * self.block_size)
             missing = ~valid[s]
-            rows[s][missing] = block[missing].to(rows.dtype)
+            rows[s][missing] = block.rows[missing].to(rows.dtype)
             valid[s] = True
             filled += int(missing.sum())
         return filled
+
+    def _hold(self, block: torch.Tensor) -> None:
+        entry = self._buffers.setdefault(_address(block), [_buffer_bytes(block), 0])
+        if entry[1] == 0:
+            self.bytes_held += entry[0]
+        entry[1] += 1
+
+    def _release(self, block: torch.Tensor) -> None:
+        address = _address(block)
+        entry = self._buffers[address]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes_held -= entry[0]
+            del self._buffers[address]
+
+    def _evict(self) -> None:
+        while self.bytes_held > self.max_bytes and self._blocks:
+            _, old = self._blocks.popitem(last=False)
+            self._release(old.rows)
+            self.evictions += 1
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _buffer_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _address(a) == _address(b)
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct buffers that ``tensors`` (views or not) keep alive."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[_address(t)] = _buffer_bytes(t)
+    return sum(seen.values())

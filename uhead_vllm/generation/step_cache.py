@@ -34,8 +34,13 @@ class StepRecord:
 
     text: str
     token_ids: list[int]
-    hidden: torch.Tensor  # [rows of the step's tokens, L, H]
+    hidden: torch.Tensor  # [rows of the step's tokens, L, H], at first a view into its call's rows
     scores: dict[str, float] = field(default_factory=dict)
+
+    def compact(self) -> None:
+        """Own a copy of the rows, so a trajectory that goes on does not keep its calls' buffers alive."""
+        if self.hidden.untyped_storage().nbytes() > self.hidden.numel() * self.hidden.element_size():
+            self.hidden = self.hidden.clone()
 
 
 @dataclass
@@ -60,6 +65,10 @@ class StepCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Rows held by the entries (for accounting of what a generator holds)."""
+        return [r.hidden for e in self._entries.values() for r in e.history]
 
     @staticmethod
     def _norm(text: str) -> str:
@@ -89,6 +98,8 @@ class StepCache:
         if best is None:
             return []
         best.last_used = self._call
+        for record in best.history:
+            record.compact()
         return list(best.history)
 
     def extend(self, prompt: str, record: StepRecord, parent: list[StepRecord]) -> list[StepRecord]:

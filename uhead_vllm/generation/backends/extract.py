@@ -116,7 +116,7 @@ def read_results(out_dir: str | os.PathLike, layers: tuple[int, ...], dtype: tor
         lens = torch.tensor([c[1].numel() for c in chunks], dtype=torch.int64)
         rows = CapturedRows(
             layers=tuple(layers),
-            hidden=torch.cat([c[2] for c in chunks]),
+            hidden_parts=[c[2] for c in chunks],
             tags=torch.repeat_interleave(torch.tensor([c[0].tag for c in chunks]), lens),
             samples=torch.repeat_interleave(torch.tensor([c[0].sample for c in chunks]), lens),
             positions=torch.cat([torch.arange(c[1].numel(), dtype=torch.int64) for c in chunks]),
