@@ -90,6 +90,7 @@ class Runner:
         self.load_seconds = time.perf_counter() - t0
         self._payload_bytes = 0
         self._rows_forwarded = 0
+        self._rows_placed = 0
         self._fetch_seconds = 0.0
         self._generate_seconds = 0.0
 
@@ -108,13 +109,16 @@ class Runner:
 
     def _wrap_fetch(self) -> None:
         """Time the generator's own fetch and count the bytes of hidden states it hands over
-        (the payload is an object for an in-process engine, safetensors bytes otherwise)."""
+        (the payload is an object for an in-process engine, safetensors bytes otherwise) and the
+        rows the worker placed straight into the generator's buffer instead."""
         inner = self.gen.client.fetch
 
         def fetch() -> Any:
             t0 = time.perf_counter()
             rows = inner()
-            self._payload_bytes += rows.hidden.numel() * rows.hidden.element_size()
+            if rows.placed:  # written into the generator's buffer during the pass, none handed over
+                self._rows_placed += rows.num_rows
+            self._payload_bytes += sum(p.numel() * p.element_size() for p in rows.hidden_parts)
             self._rows_forwarded += rows.num_rows
             self._fetch_seconds += time.perf_counter() - t0
             return rows
@@ -155,6 +159,7 @@ class Runner:
             raise RuntimeError("vLLM refused to reset its prefix cache")
         self._payload_bytes = 0
         self._rows_forwarded = 0
+        self._rows_placed = 0
         self._fetch_seconds = 0.0
         self._generate_seconds = 0.0
         gc.collect()
@@ -194,7 +199,9 @@ class Runner:
                                 "assembly_seconds": dt - self._generate_seconds - self._fetch_seconds,
                                 "rows_from_store": st.rows_from_store,
                                 "rows_recomputed": st.rows_recomputed,
-                                "prefix_cache_rows": st.prefix_cache_rows})
+                                "prefix_cache_rows": st.prefix_cache_rows,
+                                "rows_placed_during_generation": self._rows_placed,
+                                "held_bytes": st.held_bytes})
 
     def warmup(self, workload: Workload) -> None:
         """Same batch shape as the timed workload, few tokens: compiles kernels, fills caches."""

@@ -17,7 +17,7 @@ from .. import adapters
 from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .layer_hooks import install_layer_hooks
-from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, encode_rows
+from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, encode_rows
 from .recorder import RowRecorder
 
 _STATE_ATTR = "_uhead_recorder"
@@ -148,6 +148,17 @@ class UheadCaptureExtension:
             return None
         rows = rec.take()
         return rows if inline else encode_rows(rows)
+
+    def uhead_place_into(self, destination: RowDestination | None) -> bool:
+        """Write the coming generation's rows straight into ``destination`` (an engine-side buffer
+        in this same process: only an in-process caller can pass one). True on the recording rank."""
+        rec = self._uhead_get_recorder()
+        if rec is None:
+            return False
+        if destination is not None and not isinstance(destination, RowDestination):
+            raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
+        rec.place_into(destination)
+        return True
 
     def uhead_fetch_tags(self, tags: list[int], forget: bool = False) -> bytes | None:
         """Rows of ``tags`` only, as safetensors bytes (None on non-recording ranks); the rows of

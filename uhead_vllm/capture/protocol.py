@@ -87,7 +87,10 @@ class CapturedRows:
     The rows may arrive as several consecutive parts (one per recorded step, handed over in
     process without concatenating them: on a GPU each part is the pinned buffer its step was
     copied into); ``hidden`` concatenates them once, on first use, and ``hidden_parts`` yields
-    them as they are, for a consumer that can place rows part by part without that extra copy."""
+    them as they are, for a consumer that can place rows part by part without that extra copy.
+    ``placed`` rows were written into the caller's :class:`RowDestination` during the generation
+    instead: then there are no hidden parts, and the metadata says which rows were written.
+    """
 
     layers: tuple[int, ...]
     hidden_parts: list[torch.Tensor] | torch.Tensor  # consecutive [R_i, L, H] parts (a tensor = one part)
@@ -98,16 +101,19 @@ class CapturedRows:
     chunk_offsets: torch.Tensor  # [C + 1] int64
     error: str | None = None
     stats: dict = field(default_factory=dict)
+    placed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.hidden_parts, torch.Tensor):
             self.hidden_parts = [self.hidden_parts]
-        if not self.hidden_parts:
+        if not self.hidden_parts and not self.placed:
             raise ValueError("CapturedRows needs at least one (possibly empty) hidden part")
 
     @property
     def hidden(self) -> torch.Tensor:
         """All rows ``[R, L, H]`` in one tensor (concatenated once, then kept)."""
+        if self.placed:
+            raise ValueError("these rows were placed into the caller's RowDestination, not handed over")
         if len(self.hidden_parts) > 1:
             self.hidden_parts = [torch.cat(self.hidden_parts)]
         return self.hidden_parts[0]
@@ -126,8 +132,34 @@ class CapturedRows:
         return out
 
 
+@dataclass
+class RowDestination:
+    """Where the worker writes rows during a generation, when the engine runs in the caller's process.
+
+    Each request tag owns ``slots[tag] = (first row, capacity)`` of ``buffer`` and its row at
+    position p goes to ``buffer[first + p]`` (positions at or past the capacity are not written).
+    The caller allocates the buffer for the longest each sequence can get (prompt + max_tokens):
+    pages never written are never touched, so the unused tail costs address space, not memory.
+    Rows then reach their final place while the engine still generates, instead of in one copy
+    after it; the metadata (:class:`CapturedRows` with ``placed=True``) still comes back through
+    fetch, so every row is still checked against the sequence's token before it is used.
+    """
+
+    buffer: torch.Tensor  # [total capacity, L, H] on the host
+    slots: dict[int, tuple[int, int]]
+
+    def __post_init__(self) -> None:
+        if self.buffer.device.type != "cpu" or self.buffer.dim() != 3:
+            raise ValueError("RowDestination.buffer must be a [rows, layers, hidden] host tensor")
+        end = max((a + n for a, n in self.slots.values()), default=0)
+        if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
+            raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
+
+
 def encode_rows(rows: CapturedRows) -> bytes:
     """Serialize to safetensors bytes (metadata carries layers, error and worker stats as JSON)."""
+    if rows.placed:
+        raise ValueError("placed rows live in the caller's buffer; they never cross a process boundary")
     meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats)}
     if rows.error:
         meta["error"] = rows.error
@@ -171,6 +203,6 @@ def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) ->
 
 
 __all__ = [
-    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows",
+    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination",
     "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
 ]

@@ -4,7 +4,9 @@ The runner adapter hands the recorder each step's schedule (which requests are n
 tokens each gets) and, after the forward, the step's outputs. Per step the recorder does one
 gather on the device (a slice per contiguous run of tagged requests, usually one) and one
 asynchronous device-to-host copy into pinned memory; nothing on the hot path waits for the device.
-``take`` waits once, then assembles all steps into one :class:`CapturedRows`.
+``take`` waits once, then assembles all steps into one :class:`CapturedRows`. When the engine side
+runs in this process and gave a :class:`RowDestination`, the rows go straight there during the
+generation (see placer.py) and only their metadata is kept.
 
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
 forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 
 from ..adapters import ScheduledStep, StepOutputs
-from .protocol import CapturedRows, CaptureSettings, RequestTag, empty_rows
+from .placer import Placer
+from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
 
 
 @dataclass
@@ -27,7 +30,7 @@ class _Step:
     tags: np.ndarray  # [C] per chunk (one chunk per tagged request in the step)
     samples: np.ndarray  # [C]
     lens: np.ndarray  # [C] rows per chunk
-    hidden: torch.Tensor  # [R, L, H] host (pinned when the step ran on a GPU)
+    hidden: torch.Tensor | None  # [R, L, H] host (pinned when the step ran on a GPU); None once placed
     meta: torch.Tensor  # [2, R] int64 host: positions, input token ids
 
 
@@ -50,6 +53,8 @@ class RowRecorder:
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
     _copied: object = None  # CUDA event after the last device-to-host copy
+    destination: RowDestination | None = None  # rows go here during the generation (same process)
+    _placer: Placer = field(default_factory=Placer)
 
     def __post_init__(self) -> None:
         # Map requested layer order onto the (sorted) aux output order.
@@ -125,8 +130,15 @@ class RowRecorder:
         hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
         meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
         hidden, meta = self._to_host(hidden), self._to_host(meta)
-        self.steps.append(_Step(np.asarray(chunk_tags, dtype=np.int64), np.asarray(chunk_samples, dtype=np.int64),
-                                lens, hidden, meta))
+        tags = np.asarray(chunk_tags, dtype=np.int64)
+        if self.destination is not None:
+            slots = [self.destination.slots.get(t, (-1, 0)) for t in chunk_tags]
+            first = np.asarray([a for a, _ in slots], dtype=np.int64)
+            capacity = np.asarray([n for _, n in slots], dtype=np.int64)
+            ready = self._copied if hidden.is_pinned() else None
+            self._placer.submit(ready, self.destination, hidden, meta[0], first, capacity, lens)
+            hidden, new_bytes = None, 0
+        self.steps.append(_Step(tags, np.asarray(chunk_samples, dtype=np.int64), lens, hidden, meta))
         self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
@@ -143,8 +155,15 @@ class RowRecorder:
         return host
 
     # ------------------------------------------------------------------ fetch
+    def place_into(self, destination: RowDestination | None) -> None:
+        """Write the rows of the coming generation into ``destination`` (until the next ``take``)."""
+        if self.steps:
+            raise RuntimeError("rows of an earlier generation are still held: take them first")
+        self.destination = destination
+
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""
+        placing_error = self._placer.drain()
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
             self._copied = None
@@ -152,11 +171,12 @@ class RowRecorder:
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                  "rows_recorded": self.rows_recorded, "bytes": self.bytes_held}
         rows = self._rows(self.steps)
-        rows.error = self.error
+        rows.error = self.error or placing_error
         rows.stats = stats
         self.steps = []
         self.bytes_held = 0
         self.error = None
+        self.destination = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
         self.rows_expected = self.rows_recorded = 0
         return rows
@@ -168,6 +188,8 @@ class RowRecorder:
         tags (a client that went away), so nothing of theirs accumulates afterwards. Counters
         are not reset: they describe the whole recorder, not these tags.
         """
+        if self.destination is not None:
+            raise RuntimeError("take_tags serves recorders without a RowDestination (the server's)")
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
             self._copied = None
@@ -206,9 +228,11 @@ class RowRecorder:
             return empty_rows(tuple(self.settings.layers), self.hidden_size, self.settings.torch_dtype)
         lens = torch.from_numpy(np.concatenate([s.lens for s in steps]))
         meta = torch.cat([s.meta for s in steps], dim=1)
+        placed = steps[0].hidden is None
         return CapturedRows(
             layers=tuple(self.settings.layers),
-            hidden_parts=[s.hidden for s in steps],
+            hidden_parts=[] if placed else [s.hidden for s in steps],
+            placed=placed,
             tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in steps])), lens),
             samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in steps])), lens),
             positions=meta[0].contiguous(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import threading
 import warnings
 import weakref
@@ -19,11 +20,11 @@ from typing import Any, Sequence
 import torch
 
 from ..adapters import engine as engine_internals
-from ..capture.protocol import CapturedRows, RequestTag
+from ..capture.protocol import CapturedRows, RequestTag, RowDestination
 from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
-from .prefix_store import PrefixRowStore, held_bytes
+from .prefix_store import PrefixRowStore, buffer_address, held_bytes
 from .step_cache import StepCache, StepRecord
 
 PromptLike = str | list[dict] | dict
@@ -33,6 +34,10 @@ _TAGS = itertools.count()
 
 _ENGINE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
 _ENGINE_LOCKS_GUARD = threading.Lock()
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def engine_lock(llm: Any) -> threading.RLock:
@@ -66,6 +71,7 @@ class GenerationStats:
 
     tokens_forwarded: int = 0  # rows vLLM actually computed for tagged requests (incl. recompute)
     rows_captured: int = 0  # rows taken from the first pass
+    rows_placed: int = 0  # of those, rows the worker wrote into their place while vLLM generated
     prefix_cache_rows: int = 0  # rows vLLM skipped because their KV was cached
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
@@ -180,6 +186,7 @@ class VllmHiddenStatesGenerator:
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = engine_internals.block_size(self.llm)
         self.max_model_len = engine_internals.max_model_len(self.llm)
+        self.hidden_size = engine_internals.hidden_size(self.llm)
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -268,15 +275,19 @@ class VllmHiddenStatesGenerator:
                 child_params.append(child)
 
         self.client.fetch()  # drop rows of requests made outside this generator
+        destination = self._destination(rendered, owners, child_params)
+        if destination is not None and not self.client.place_into(destination):
+            destination = None
         request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
         captured = self.client.fetch()
         if captured.error:
             raise CaptureError(captured.error, outputs=request_outputs)
 
-        stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows)
+        stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows,
+                                rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
-        self._place_first_pass(seqs, list(owners), captured)
+        self._place_first_pass(seqs, list(owners), captured, destination)
         if last:
             # The final token is never forwarded in context during generation; a row at its
             # position can only be a speculative draft's (possibly after a rejected token), so
@@ -287,21 +298,24 @@ class VllmHiddenStatesGenerator:
         missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
         stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
+        occupied = self._occupied(seqs)
         try:
             # The store keeps views of this call's rows (no copy); sealed once every row is in.
             for q in seqs:
-                self.store.put(q.expected, q.rows, q.valid, seal=False)
+                self.store.put(q.expected, q.rows, q.valid, seal=False, buffer_bytes=occupied.get(buffer_address(q.rows)))
             for q in seqs:
                 stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
             self._recompute_missing(seqs, stats)
             for q in seqs:
-                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True)
+                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True,
+                               buffer_bytes=occupied.get(buffer_address(q.rows)))
         finally:
             self.store.seal()
         stats.store_evictions = self.store.evictions - evictions
         stats.store_stale_drops = self.store.stale_drops - stale
         result = self._result(prompts, rendered, seqs, stats)
-        stats.held_bytes = held_bytes(self.store.tensors() + self.step_cache.tensors())
+        stats.held_bytes = held_bytes(self.store.tensors() + self.step_cache.tensors(),
+                                      {**occupied, **self.store.buffer_sizes()})
         self.stats.add(stats)
         return result
 
@@ -345,49 +359,100 @@ class VllmHiddenStatesGenerator:
                              out, ro, last=last and not full, last_row_missing=full))
         return seqs
 
-    def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows) -> None:
-        """All sequences' rows in one buffer, placed with one vectorised scatter.
+    def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
+        """One buffer with room for every sequence's longest outcome, for the worker to write rows
+        into while vLLM generates (in-process engines; see :class:`RowDestination`). None when
+        that room would exceed half the machine's memory even as untouched address space."""
+        slots, first = {}, 0
+        for tag, params in zip(owners, child_params):
+            vllm_input, text = rendered[owners[tag][0]]
+            if isinstance(vllm_input, dict):
+                n_prompt = len(vllm_input["prompt_token_ids"])
+            else:  # vLLM tokenizes text prompts itself; a longer result only costs a recompute
+                n_prompt = len(self.tokenizer(text)["input_ids"])
+            new = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            capacity = min(n_prompt + new, self.max_model_len)
+            slots[tag] = (first, capacity)
+            first += capacity
+        dtype = self.client.settings.torch_dtype
+        row_bytes = len(self.layers) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
+        if first * row_bytes > _physical_memory() // 2:
+            return None
+        with torch.inference_mode(False):  # the store relies on the buffer's version counter
+            buffer = torch.empty((first, len(self.layers), self.hidden_size), dtype=dtype)
+        return RowDestination(buffer, slots)
 
-        ``seqs[i]`` is the sequence of request tag ``tags[i]``. A captured row is used only where
-        its tag is ours, its position lies inside the sequence and its input token equals the
-        sequence's token there; of several rows for one position the last captured wins (with
-        speculative decoding, rows after a rejected draft are forwarded again). Each sequence's
+    def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
+                          destination: RowDestination | None) -> None:
+        """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
+
+        A captured row counts only where its tag is ours, its position lies inside the sequence
+        and its input token equals the sequence's token there; with speculative decoding, rows
+        after a rejected draft are forwarded again, and the last row forwarded at a position is
+        the one that counts. Rows the worker already wrote into ``destination`` are only checked;
+        otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
         ``rows`` / ``valid`` are views of the shared buffers.
         """
         lens = torch.tensor([q.num_rows for q in seqs], dtype=torch.int64)
-        offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        offsets[1:] = lens.cumsum(0)
-        total = int(offsets[-1])
-        if captured.num_rows:
-            hidden_size, dtype = captured.hidden_parts[0].shape[-1], captured.hidden_parts[0].dtype
+        cum = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        cum[1:] = lens.cumsum(0)
+        total = int(cum[-1])
+        if destination is not None:
+            buffer = destination.buffer
+            first = torch.tensor([destination.slots[t][0] for t in tags], dtype=torch.int64)
+            capacity = torch.tensor([destination.slots[t][1] for t in tags], dtype=torch.int64)
         else:
-            hidden_size, dtype = self._hidden_size(), self.client.settings.torch_dtype
-        with torch.inference_mode(False):  # the store relies on the buffer's version counter
-            flat = torch.empty((total, len(self.layers), hidden_size), dtype=dtype)
+            dtype = captured.hidden_parts[0].dtype if captured.num_rows else self.client.settings.torch_dtype
+            with torch.inference_mode(False):  # the store relies on the buffer's version counter
+                buffer = torch.empty((total, len(self.layers), self.hidden_size), dtype=dtype)
+            first, capacity = cum[:-1], lens
+        with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)
         if captured.num_rows and total:
             seq_tags = torch.tensor(tags, dtype=torch.int64)
             order = torch.argsort(seq_tags)
             slot = torch.searchsorted(seq_tags[order], captured.tags).clamp_(max=len(tags) - 1)
             seq = order[slot]
-            ok = (seq_tags[seq] == captured.tags) & (captured.positions >= 0) & (captured.positions < lens[seq])
-            dest = torch.where(ok, offsets[seq] + captured.positions, 0)
+            pos = captured.positions
+            ours = (seq_tags[seq] == captured.tags) & (pos >= 0) & (pos < torch.minimum(lens, capacity)[seq])
+            row = torch.where(ours, cum[seq] + pos, 0)  # index among all sequences' rows
             expected = torch.cat([q.expected[: q.num_rows] for q in seqs])
-            ok &= captured.token_ids == expected[dest]
-            src = torch.nonzero(ok).flatten()
+            match = ours & (captured.token_ids == expected[row])
+            # The row that counts at each position: the last one written (placed: the buffer
+            # holds it) or the last matching one (copied: it is chosen here).
+            candidates = torch.nonzero(ours if destination is not None else match).flatten()
             last = torch.full((total,), -1, dtype=torch.int64)
-            last.scatter_reduce_(0, dest[src], src, reduce="amax")
+            last.scatter_reduce_(0, row[candidates], candidates, reduce="amax")
             hit = last >= 0
-            if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():
-                start = 0  # every row used once: one copy, part by part (no concatenation)
-                for part in captured.hidden_parts:
-                    flat.index_copy_(0, dest[start : start + part.shape[0]], part)
-                    start += part.shape[0]
-            else:
-                flat[hit] = captured.hidden[last[hit]]
+            hit[hit.clone()] = match[last[hit]]
+            if destination is None:
+                src = torch.nonzero(match).flatten()
+                if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():
+                    start = 0  # every row used once: one copy, part by part (no concatenation)
+                    for part in captured.hidden_parts:
+                        buffer.index_copy_(0, row[start : start + part.shape[0]], part)
+                        start += part.shape[0]
+                else:
+                    buffer[hit] = captured.hidden[last[hit]]
             valid = hit
-        for q, a, b in zip(seqs, offsets[:-1].tolist(), offsets[1:].tolist()):
-            q.rows, q.valid = flat[a:b], valid[a:b]
+        for q, a, n, b, c in zip(seqs, first.tolist(), lens.tolist(), cum[:-1].tolist(), capacity.tolist()):
+            q.valid = valid[b : b + n]
+            if n <= c:
+                q.rows = buffer[a : a + n]
+            else:  # vLLM's prompt was longer than the slot planned for it: rows past it are recomputed
+                with torch.inference_mode(False):
+                    q.rows = torch.empty((n,) + tuple(buffer.shape[1:]), dtype=buffer.dtype)
+                q.rows[:c] = buffer[a : a + c]
+
+    @staticmethod
+    def _occupied(seqs: list[_Seq]) -> dict[int, int]:
+        """Bytes written into each of this call's row buffers (a destination buffer is allocated
+        for the longest outcomes; its pages past the rows written are never touched)."""
+        occupied: dict[int, int] = {}
+        for q in seqs:
+            address = buffer_address(q.rows)
+            occupied[address] = occupied.get(address, 0) + q.rows.numel() * q.rows.element_size()
+        return occupied
 
     def _place(self, seqs: list[_Seq], captured: CapturedRows, owners: dict) -> None:
         """Recompute pass: place rows into the sequences' buffers from the first pass."""
@@ -404,9 +469,6 @@ class VllmHiddenStatesGenerator:
             if q is not None:
                 place_rows(q.expected, q.num_rows, captured.positions[idx], captured.token_ids[idx],
                            captured.hidden[idx], q.rows, q.valid)
-
-    def _hidden_size(self) -> int:
-        return engine_internals.hidden_size(self.llm)
 
     def _recompute_missing(self, seqs: list[_Seq], stats: GenerationStats) -> None:
         from vllm import SamplingParams

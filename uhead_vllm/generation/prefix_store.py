@@ -69,18 +69,20 @@ class PrefixRowStore:
         return [b.rows for b in self._blocks.values()]
 
     def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, *, seal: bool = True,
-            replace: bool = False) -> int:
+            replace: bool = False, buffer_bytes: int | None = None) -> int:
         """Store every full block whose rows are all valid; returns how many blocks were new.
 
         ``seal=False`` leaves the blocks unversioned until :meth:`seal` (the caller still writes
         missing rows into the same buffer); ``replace=True`` re-points blocks already stored to
-        ``rows`` (the newest buffer), so older buffers can be released.
+        ``rows`` (the newest buffer), so older buffers can be released. ``buffer_bytes`` is what
+        the buffer of ``rows`` occupies when that is less than its size (pages never written).
         """
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
         if n_blocks == 0:
             return 0
         complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
-        copy = _buffer_bytes(rows) > self.max_bytes
+        size = _buffer_bytes(rows) if buffer_bytes is None else min(buffer_bytes, _buffer_bytes(rows))
+        copy = size > self.max_bytes
         added = 0
         for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks)):
             old = self._blocks.get(key)
@@ -97,7 +99,7 @@ class PrefixRowStore:
             if copy:
                 block = block.clone()
             self._blocks[key] = _Block(block, block._version if seal else None)
-            self._hold(block)
+            self._hold(block, _buffer_bytes(block) if copy else size)
             self._evict()
         return added
 
@@ -137,14 +139,18 @@ class PrefixRowStore:
             filled += int(missing.sum())
         return filled
 
-    def _hold(self, block: torch.Tensor) -> None:
-        entry = self._buffers.setdefault(_address(block), [_buffer_bytes(block), 0])
+    def buffer_sizes(self) -> dict[int, int]:
+        """Bytes counted for each buffer the store keeps alive, by storage address."""
+        return {address: entry[0] for address, entry in self._buffers.items()}
+
+    def _hold(self, block: torch.Tensor, size: int) -> None:
+        entry = self._buffers.setdefault(buffer_address(block), [size, 0])
         if entry[1] == 0:
             self.bytes_held += entry[0]
         entry[1] += 1
 
     def _release(self, block: torch.Tensor) -> None:
-        address = _address(block)
+        address = buffer_address(block)
         entry = self._buffers[address]
         entry[1] -= 1
         if entry[1] == 0:
@@ -158,7 +164,7 @@ class PrefixRowStore:
             self.evictions += 1
 
 
-def _address(t: torch.Tensor) -> int:
+def buffer_address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
@@ -167,12 +173,15 @@ def _buffer_bytes(t: torch.Tensor) -> int:
 
 
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _address(a) == _address(b)
+    return buffer_address(a) == buffer_address(b)
 
 
-def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct buffers that ``tensors`` (views or not) keep alive."""
+def held_bytes(tensors: Iterable[torch.Tensor], known: dict[int, int] | None = None) -> int:
+    """Bytes of the distinct buffers that ``tensors`` (views or not) keep alive; ``known`` gives
+    the occupied bytes of buffers larger than what was written into them."""
+    known = known or {}
     seen: dict[int, int] = {}
     for t in tensors:
-        seen[_address(t)] = _buffer_bytes(t)
+        address = buffer_address(t)
+        seen[address] = known.get(address, _buffer_bytes(t))
     return sum(seen.values())

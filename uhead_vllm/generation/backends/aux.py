@@ -13,6 +13,7 @@ from ...capture.protocol import (
     EXTENSION_QUALNAME,
     CapturedRows,
     CaptureSettings,
+    RowDestination,
     decode_rows,
 )
 from ...errors import InputError
@@ -63,6 +64,13 @@ class AuxClient:
                 "capture_engine_kwargs(layers) (additional_config) when building vllm.LLM"
             )
         return CaptureSettings.from_dict(recording[0]["settings"])
+
+    def place_into(self, destination: RowDestination | None) -> bool:
+        """Have the worker write the next generation's rows into ``destination`` while it runs.
+        Only where the engine core runs in this process; False elsewhere (rows come by fetch)."""
+        if not engine_internals.worker_in_process(self.llm):
+            return False
+        return any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
 
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core

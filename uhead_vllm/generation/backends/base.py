@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Protocol
 
 from ...adapters import engine as engine_internals
-from ...capture.protocol import CapturedRows, CaptureSettings
+from ...capture.protocol import CapturedRows, CaptureSettings, RowDestination
 from ...errors import EngineDeadError
 
 
@@ -29,6 +29,10 @@ class CaptureClient(Protocol):
     """Engine-side handle on one engine's capture: its settings, and rows since the last fetch."""
 
     settings: CaptureSettings
+
+    def place_into(self, destination: RowDestination | None) -> bool:
+        """Ask for the next generation's rows to be written into ``destination`` while it runs;
+        False where this backend or engine cannot (the rows then come back with ``fetch``)."""
 
     def fetch(self) -> CapturedRows: ...
 

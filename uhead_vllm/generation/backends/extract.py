@@ -159,6 +159,10 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
+    def place_into(self, destination: Any) -> bool:
+        """Rows of this backend arrive as files after the generation: never placed while it runs."""
+        return False
+
     def fetch(self) -> CapturedRows:
         """Rows of every request finished since the previous fetch (their files are deleted)."""
         self._wait()

@@ -1,0 +1,71 @@
+"""The row placer on its own (no engine): rows land at first + position, in submission order, only
+after their copy is ready, and failures surface at drain instead of vanishing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from uhead_vllm.capture.placer import Placer
+from uhead_vllm.capture.protocol import RowDestination
+
+
+class Gate:
+    """Stands in for a CUDA event: ``synchronize`` blocks until the test opens it."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.opened.wait(10), "placer waited for a copy that never became ready"
+
+
+def arrays(*xs):
+    return [np.asarray(x, dtype=np.int64) for x in xs]
+
+
+def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
+    dest = RowDestination(torch.full((10, 1, 2), -1.0), {7: (0, 4), 8: (4, 6)})
+    placer = Placer()
+    gate = Gate()
+    prefill = torch.arange(10, dtype=torch.float32).view(5, 1, 2)
+    placer.submit(gate, dest, prefill, torch.tensor([0, 1, 2, 0, 1]), *arrays([0, 4], [4, 6], [3, 2]))
+    assert bool((dest.buffer == -1).all())  # not before the copy is ready
+    redo = torch.full((1, 1, 2), 99.0)  # position 1 of tag 7 forwarded again (a rejected draft)
+    placer.submit(gate, dest, redo, torch.tensor([1]), *arrays([0], [4], [1]))
+    gate.opened.set()
+    assert placer.drain() is None
+    assert torch.equal(dest.buffer[0], prefill[0]) and torch.equal(dest.buffer[1], redo[0])
+    assert torch.equal(dest.buffer[2], prefill[2])
+    assert torch.equal(dest.buffer[4:6], prefill[3:5]) and bool((dest.buffer[6:] == -1).all())
+
+
+def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():
+    dest = RowDestination(torch.zeros(4, 1, 1), {1: (0, 2), 2: (2, 2)})
+    placer = Placer()
+    rows = torch.ones(4, 1, 1)
+    # tag 1 at positions 1, 2 (2 is past its capacity), an unknown tag (first = -1), tag 2 at 0
+    placer.submit(None, dest, rows, torch.tensor([1, 2, 0, 0]), *arrays([0, -1, 2], [2, 0, 2], [2, 1, 1]))
+    assert placer.drain() is None
+    assert dest.buffer.flatten().tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
+    dest = RowDestination(torch.zeros(2, 1, 3), {1: (0, 2)})
+    placer = Placer()
+    gate = Gate()
+    gate.opened.set()
+    placer.submit(gate, dest, torch.ones(1, 1, 5), torch.tensor([0]), *arrays([0], [2], [1]))  # wrong width
+    placer.submit(gate, dest, torch.ones(1, 1, 3), torch.tensor([1]), *arrays([0], [2], [1]))
+    error = placer.drain()
+    assert error is not None and "placing captured rows failed" in error
+    assert dest.buffer[1].flatten().tolist() == [1.0, 1.0, 1.0]
+    assert placer.drain() is None  # reported once
+
+
+def test_destination_refuses_slots_outside_its_buffer():
+    with pytest.raises(ValueError, match="buffer has 3"):
+        RowDestination(torch.zeros(3, 1, 1), {1: (0, 2), 2: (2, 2)})

@@ -1,0 +1,77 @@
+"""Writes each recorded step's rows into the engine side's :class:`RowDestination`.
+
+On a GPU a step's rows reach pinned host memory asynchronously; a background thread waits for each
+step's copy (its CUDA event) and scatters the rows into the destination, in recording order, so a
+position forwarded twice (speculative decoding) ends with its last row. The engine's loop never
+waits for it; ``drain`` does, once, at fetch. Without a device (rows are on the host at once) the
+step is placed right away, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .protocol import RowDestination
+
+
+def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
+               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
+    """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within capacity)."""
+    first = torch.from_numpy(np.repeat(chunk_first, lens))
+    capacity = torch.from_numpy(np.repeat(chunk_capacity, lens))
+    inside = (first >= 0) & (positions >= 0) & (positions < capacity)
+    index = first + positions
+    if bool(inside.all()):
+        dest.buffer.index_copy_(0, index, hidden.to(dest.buffer.dtype))
+    else:
+        dest.buffer.index_copy_(0, index[inside], hidden[inside].to(dest.buffer.dtype))
+
+
+class Placer:
+    """FIFO of steps to place; a daemon thread works it off when steps wait on a device copy."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+
+    def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
+               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
+        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host)."""
+        item = (ready, dest, hidden, positions, chunk_first, chunk_capacity, lens)
+        if ready is None and self._thread is None:
+            self._place(item)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="uhead-row-placer", daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def drain(self) -> str | None:
+        """Wait until every submitted step is placed; the first error since the last drain, if any."""
+        self._queue.join()
+        error, self._error = self._error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                self._place(item)
+            finally:
+                self._queue.task_done()
+
+    def _place(self, item: tuple) -> None:
+        ready, dest, hidden, positions, chunk_first, chunk_capacity, lens = item
+        try:
+            if ready is not None:
+                ready.synchronize()
+            place_step(dest, hidden, positions, chunk_first, chunk_capacity, lens)
+        except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
+            if self._error is None:
+                self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"
