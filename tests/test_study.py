@@ -135,8 +135,10 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     assert "P(wrong)" in capsys.readouterr().out
     # The main job is a function for good: a second call in this process (after its module and
     # the study's have been imported and used) scores the same answers the same way.
-    import uhead_vllm.scoring.answer  # noqa: F401
-    import uhead_vllm.study.commands  # noqa: F401
+    import importlib
+
+    for module in ("uhead_vllm.scoring.answer", "uhead_vllm.study.commands"):
+        importlib.import_module(module)
 
     again = uhead_vllm.answer(["What is 2 + 3?", "Calculate 7 * 6."], att, model=str(model), max_tokens=8,
                               generator=gen, as_json=True)
