@@ -176,7 +176,7 @@ def test_clear_errors(tiny, tmp_path):
     with pytest.raises(DatasetError, match="manifest"):
         StudyDataset(tmp_path / "empty")
     with pytest.raises(HeadMismatchError):  # the shipped head belongs to SmolLM2, not the tiny model
-        commands.answer(["1 + 1?"], None, model=str(model), generator=gen)
+        uhead_vllm.answer(["1 + 1?"], None, model=str(model), generator=gen)
 
 
 def test_default_head_matches_embedded_model(embedded_model, tiny_models):
@@ -191,7 +191,7 @@ def test_default_head_matches_embedded_model(embedded_model, tiny_models):
 
 def test_main_job_answers_with_the_default_head(embedded_model, capsys):
     """`uhead-vllm answer` out of the box: embedded model + shipped head, per-step and per-answer."""
-    scored = commands.answer(["What is 7 + 8?", "Calculate 91 - 17 + 5."], model=str(embedded_model), max_tokens=32)
+    scored = uhead_vllm.answer(["What is 7 + 8?", "Calculate 91 - 17 + 5."], model=str(embedded_model), max_tokens=32)
     gc.collect()
     assert len(scored) == 2
     for s in scored:

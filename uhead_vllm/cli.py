@@ -55,7 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, args.model_cache)
     n_layers = model_identity(path)["num_hidden_layers"]
     layers = args.layers or [0, n_layers // 2, n_layers]
-    llm = build_llm(str(path), layers, dtype="float32", enforce_eager=not args.compiled,
+    llm = build_llm(str(path), layers, enforce_eager=not args.compiled,
                     kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=2048, seed=args.seed)
     gen = VllmHiddenStatesGenerator(llm, progress=True)
     questions = args.question or EXAMPLE_QUESTIONS
