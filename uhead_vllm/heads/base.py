@@ -100,10 +100,6 @@ class HeadUsage:
         default = cls.for_level(level, study.get("generation"))
         return cls(level, study.get("answer_scoring", default.answer_scoring), default.generation)
 
-    @property
-    def split_mode(self) -> str:
-        return (self.generation or {}).get("split_mode", "line")
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
