@@ -4,4 +4,5 @@ An estimator whose ``name`` is not built into lm-polygraph is imported as a modu
 its ``load_estimator(config)``; a stat calculator's ``builder`` module is imported and built with
 ``load_stat_calculator(config, environment)``. This package is installed with ``uhead_vllm``
 (``pip install -e .``), so ``name: estimators.uhead_sequence`` resolves from any directory.
+Each module only forwards to :mod:`uhead_vllm.polygraph.builders`, where the logic lives.
 """

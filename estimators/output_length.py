@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from uhead_vllm.polygraph.estimators import OutputLength
-
-from ._config import plain
+from uhead_vllm.polygraph import builders
 
 
-def load_estimator(config: Any) -> OutputLength:
-    if plain(config):
-        raise ValueError(f"estimators.output_length takes no cfg, got {plain(config)}")
-    return OutputLength()
+def load_estimator(config: Any):
+    return builders.output_length(config)

@@ -1,17 +1,12 @@
-"""``name: estimators.uhead_claim`` - claim-level (per step) P(wrong) from a saved head.
-
-cfg: ``head_path`` (dir or ``default``), ``name``, ``allow_other_weights`` (accept a head trained on
-other weights of the same model shape).
-"""
+"""``name: estimators.uhead_claim`` - claim-level (per step) P(wrong) from a saved head (cfg: see
+:func:`uhead_vllm.polygraph.builders.uhead_claim`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from uhead_vllm.polygraph.estimators import UHeadClaim
-
-from ._config import plain
+from uhead_vllm.polygraph import builders
 
 
-def load_estimator(config: Any) -> UHeadClaim:
-    return UHeadClaim(**plain(config))
+def load_estimator(config: Any):
+    return builders.uhead_claim(config)

@@ -25,7 +25,8 @@ from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import 
 # In-process engines, quiet logs, compile caches in <repo>/.cache, no hub access.
 set_env_defaults()
 
-from uhead_vllm.models import TINY_MODEL_VERSION, build_tiny_model, embedded_model_path  # noqa: E402
+from uhead_vllm._testing import TINY_MODEL_VERSION, build_tiny_model  # noqa: E402
+from uhead_vllm.models import embedded_model_path  # noqa: E402
 
 # name -> (arch, vocab_pad)
 TINY_MODEL_SPECS: dict[str, tuple[str, int]] = {

@@ -1,7 +1,7 @@
 """Tiny random hybrid (attention + state-space) models for capture parity tests.
 
 Each model is built deterministically from a seed, saved as a Hugging Face folder with the tiny
-BPE tokenizer of ``uhead_vllm.models`` and cached under ``.cache/tiny_models/``. Weights are
+BPE tokenizer of ``uhead_vllm._testing`` and cached under ``.cache/tiny_models/``. Weights are
 rescaled after Hugging Face's init so every layer changes the residual stream substantially: with
 the default 0.02 init a layer's contribution is ~1e-3 of the stream, and a capture that returned
 the wrong tensor (e.g. the residual without the layer delta) would still pass a parity check.
@@ -144,7 +144,7 @@ def _write(name: str, spec: HybridSpec, seed: int, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from uhead_vllm.models import build_tiny_tokenizer
+    from uhead_vllm._testing import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,

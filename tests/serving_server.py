@@ -24,10 +24,10 @@ def free_port() -> int:
 
 
 def build_tiny_head(model_dir: Path, out_dir: Path, layers: list[int], logprobs: int = 3) -> Path:
-    """A linear probe on the tiny model's layers, fitted on random features, with a study recipe
-    (line steps, top-k logprobs), so the server can score with it. Its numbers mean nothing."""
+    """A linear probe on the tiny model's layers, fitted on random features, with a usage (line
+    steps, top-k logprobs), so the server can score with it. Its numbers mean nothing."""
     from uhead_vllm.features import FeatureRecipe
-    from uhead_vllm.heads import LinearProbeHead
+    from uhead_vllm.heads import HeadUsage, LinearProbeHead
     from uhead_vllm.models import model_identity
 
     ident = model_identity(model_dir)
@@ -37,11 +37,8 @@ def build_tiny_head(model_dir: Path, out_dir: Path, layers: list[int], logprobs:
     dim = recipe.token_dim(ident["hidden_size"])
     steps = [torch.randn(3, dim, generator=g) for _ in range(40)]
     head.fit(steps, np.arange(40) % 2)
-    head.training_summary_["study"] = {
-        "level": "step", "answer_scoring": "max_step",
-        "generation": {"style": "steps_plain", "max_tokens": 32, "temperature": 0.0, "logprobs": logprobs,
-                       "split_mode": "line", "seed": 0},
-    }
+    head.usage = HeadUsage("step", "max_step", {"style": "steps_plain", "max_tokens": 32, "temperature": 0.0,
+                                                "logprobs": logprobs, "split_mode": "line", "seed": 0})
     head.save(out_dir)
     return out_dir
 

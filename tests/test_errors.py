@@ -47,6 +47,10 @@ def damaged(src: Path, dst: Path, how: str) -> Path:
         data = json.loads(cfg.read_text())
         data["hyperparameters"]["not_a_parameter"] = 1
         cfg.write_text(json.dumps(data))
+    elif how == "invalid usage":
+        data = json.loads(cfg.read_text())
+        data["usage"] = {"level": "sentence", "answer_scoring": "span"}
+        cfg.write_text(json.dumps(data))
     elif how == "no config":
         cfg.unlink()
     elif how == "no weights":
@@ -61,7 +65,7 @@ def damaged(src: Path, dst: Path, how: str) -> Path:
 
 
 HOW = ["truncated config", "config not an object", "config missing a key", "config with an unknown key",
-       "no config", "no weights", "truncated weights", "missing tensor"]
+       "invalid usage", "no config", "no weights", "truncated weights", "missing tensor"]
 
 
 @pytest.mark.parametrize("how", HOW)
@@ -141,45 +145,65 @@ def test_cli_exit_codes():
     assert error_exit_code(KeyError("a bug")) is None  # bugs keep their traceback
 
 
-def test_study_functions_survive_their_submodules_being_imported():
-    """``uhead_vllm.study.answer`` is a function even after ``uhead_vllm.study.answer`` the module
-    is imported (the lazy import inside the function used to replace it: the second call raised
-    ``TypeError: 'module' object is not callable``). Fresh interpreter: nothing imported yet."""
+def test_no_package_shadows_its_modules_and_answer_stays_a_function():
+    """No package binds a non-module to the name of one of its modules: Python rebinds a package
+    attribute to the submodule when that is first imported (``uhead_vllm.study.answer`` the
+    function used to become the module, so a second call raised ``TypeError: 'module' object is
+    not callable``). Fresh interpreter; every module of the package imported; the public
+    ``uhead_vllm.answer`` called before and after that."""
+    import os
     import subprocess
     import sys
 
     code = (
-        "import uhead_vllm.study as study\n"
-        "for _ in range(2):\n"
-        "    try:\n"
-        "        study.answer(['   '])\n"
-        "    except ValueError as exc:\n"
-        "        assert 'empty' in str(exc) or 'question' in str(exc), exc\n"
-        "import uhead_vllm.study.answer, uhead_vllm.study.collect, uhead_vllm.study.evaluate, uhead_vllm.study.train\n"
-        "from uhead_vllm.study import commands\n"
-        "for name in ('answer', 'collect', 'evaluate', 'train'):\n"
-        "    assert getattr(study, name) is getattr(commands, name), name\n"
+        "import importlib, pkgutil, types\n"
+        "import uhead_vllm\n"
+        "def ask_twice():\n"
+        "    for _ in range(2):\n"
+        "        try:\n"
+        "            uhead_vllm.answer(['   '])\n"
+        "        except ValueError as exc:\n"
+        "            assert 'question' in str(exc), exc\n"
+        "        else:\n"
+        "            raise AssertionError('an empty question was accepted')\n"
+        "ask_twice()\n"
+        "mods = [importlib.import_module(m.name) for m in pkgutil.walk_packages(uhead_vllm.__path__, 'uhead_vllm.')]\n"
+        "packages = [uhead_vllm] + [m for m in mods if hasattr(m, '__path__')]\n"
+        "shadowed = [f'{p.__name__}.{m.name}' for p in packages for m in pkgutil.iter_modules(p.__path__)\n"
+        "            if not isinstance(getattr(p, m.name, None), (types.ModuleType, type(None)))]\n"
+        "assert not shadowed, shadowed\n"
+        "assert len(mods) > 40 and 'uhead_vllm.scoring.answer' in {m.__name__ for m in mods}\n"
+        "ask_twice()\n"
+        "assert callable(uhead_vllm.answer) and uhead_vllm.answer.__module__ == 'uhead_vllm.scoring.answer'\n"
     )
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    import os
-
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_sequence_estimator_auto_scores_a_step_head_by_its_worst_step(tmp_path):
-    """``UHeadSequence(reduce="auto")`` reads the level where training stores it: the default
-    head (trained on steps, ``answer_scoring: max_step`` in its config.json) reduces claims by max;
-    a head trained on answers applies to the whole answer."""
-    from uhead_vllm.heads import default_head_dir
+    """``UHeadSequence(reduce="auto")`` reads the head's usage, saved with the head: a head that
+    scores answers by their worst step (trained on steps) reduces claims by max; a head trained on
+    answers applies to the whole answer. The default head is a format-1 head: its usage is read
+    from where training stored it then (``training["study"]``, ``answer_scoring: max_step``)."""
+    from uhead_vllm.heads import HeadUsage, default_head_dir, load_head
     from uhead_vllm.polygraph.estimators import UHeadSequence
 
     config = json.loads((default_head_dir() / "config.json").read_text())
     assert config["training"]["study"]["answer_scoring"] == "max_step"  # the independent fact
+    assert "usage" not in config and config["format_version"] == 1
+    assert load_head(default_head_dir()).usage == HeadUsage("step", "max_step", config["training"]["study"]["generation"])
     assert UHeadSequence("default").reduce == "max"
     gen = torch.Generator().manual_seed(0)
     steps = [torch.randn(4, RECIPE.token_dim(8), generator=gen) for _ in range(16)]
     head = LinearProbeHead(recipe=RECIPE, model_identity=IDENTITY).fit(steps, np.arange(16) % 2)
-    head.training_summary_ = {"study": {"level": "answer", "answer_scoring": "span"}}
-    assert UHeadSequence(str(head.save(tmp_path / "answer_head"))).reduce == "whole"
+    head.training_summary_ = {"study": {"level": "answer", "answer_scoring": "span"}}  # format-1 style
+    assert UHeadSequence(str(head.save(tmp_path / "answer_head_v1"))).reduce == "whole"
+    head.training_summary_ = {}
+    for level, reduce in (("step", "max"), ("answer", "whole"), ("joint", "whole")):
+        head.usage = HeadUsage.for_level(level, {"style": "steps_plain", "split_mode": "line"})
+        saved = head.save(tmp_path / f"{level}_head")
+        assert json.loads((saved / "config.json").read_text())["usage"]["level"] == level
+        assert load_head(saved).usage == head.usage
+        assert UHeadSequence(str(saved)).reduce == reduce
+

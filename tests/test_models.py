@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from uhead_vllm import models
+from uhead_vllm._testing import build_tiny_model
 from uhead_vllm.models import (
     EMBEDDED_MODEL_ID,
     ModelNotAvailableError,
-    build_tiny_model,
     default_model_cache_dir,
     embedded_model_path,
     model_identity,

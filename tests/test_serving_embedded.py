@@ -15,7 +15,7 @@ QUESTIONS = ["What is 7 + 8?", "What is 45 + 38?", "What is 12 * 3?"]
 @pytest.mark.slow
 def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
     from uhead_vllm.client import UncertaintyClient
-    from uhead_vllm.study.commands import answer
+    from uhead_vllm import answer
 
     for server in serve([], tmp_path / "server.log"):
         info = server.get_json("/uhead/info")

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from conftest import make_vllm_kwargs
+import uhead_vllm
 from uhead_vllm.heads import HeadMismatchError, load_head
 from uhead_vllm.models import model_identity
 from uhead_vllm.study import commands
 from uhead_vllm.heads import default_head_dir
-from uhead_vllm.study.answer import ScoredAnswer
+from uhead_vllm.scoring.answer import ScoredAnswer
 from uhead_vllm.study.data import ANSWERS_FILE, MANIFEST_FILE, DatasetError, StudyDataset
 
 LAYERS = (1, 3)
@@ -28,10 +29,10 @@ TASKS = ["basic_arithmetic:6:0", "chain_sum:4:100000"]
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
-    from uhead_vllm.study.engine import build_generator
+    from uhead_vllm.scoring.answer import build_job_generator
 
     model = tiny_models["llama"]
-    gen = build_generator(model, LAYERS, **make_vllm_kwargs(kv_cache_memory_bytes=32 << 20, max_num_seqs=16))
+    gen = build_job_generator(model, LAYERS, **make_vllm_kwargs(kv_cache_memory_bytes=32 << 20, max_num_seqs=16))
     calls = []
     original = gen.generate
 
@@ -125,13 +126,24 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     files = {p.name for p in (tmp_path / "eval").iterdir()}
     assert {"results.json", "results.md", "rejection_test_answer.png", "calibration_test_step.png"} <= files
 
-    scored = commands.answer(["What is 2 + 3?", "Calculate 7 * 6."], att, model=str(model), max_tokens=8,
-                             generator=gen)
+    scored = uhead_vllm.answer(["What is 2 + 3?", "Calculate 7 * 6."], att, model=str(model), max_tokens=8,
+                               generator=gen)
     assert len(scored) == 2 and all(isinstance(s, ScoredAnswer) for s in scored)
     for s in scored:
         assert 0.0 <= s.uncertainty <= 1.0 and s.steps
         assert any(st.uncertainty is not None and 0.0 <= st.uncertainty <= 1.0 for st in s.steps)
     assert "P(wrong)" in capsys.readouterr().out
+    # The main job is a function for good: a second call in this process (after its module and
+    # the study's have been imported and used) scores the same answers the same way.
+    import importlib
+
+    for module in ("uhead_vllm.scoring.answer", "uhead_vllm.study.commands"):
+        importlib.import_module(module)
+
+    again = uhead_vllm.answer(["What is 2 + 3?", "Calculate 7 * 6."], att, model=str(model), max_tokens=8,
+                              generator=gen, as_json=True)
+    assert [a.to_dict() for a in again] == [s.to_dict() for s in scored]
+    assert json.loads(capsys.readouterr().out) == [s.to_dict() for s in scored]
 
 
 def test_collect_several_sampled_answers_per_question(tiny, dataset, tmp_path):
@@ -164,7 +176,7 @@ def test_clear_errors(tiny, tmp_path):
     with pytest.raises(DatasetError, match="manifest"):
         StudyDataset(tmp_path / "empty")
     with pytest.raises(HeadMismatchError):  # the shipped head belongs to SmolLM2, not the tiny model
-        commands.answer(["1 + 1?"], None, model=str(model), generator=gen)
+        uhead_vllm.answer(["1 + 1?"], None, model=str(model), generator=gen)
 
 
 def test_default_head_matches_embedded_model(embedded_model, tiny_models):
@@ -179,7 +191,7 @@ def test_default_head_matches_embedded_model(embedded_model, tiny_models):
 
 def test_main_job_answers_with_the_default_head(embedded_model, capsys):
     """`uhead-vllm answer` out of the box: embedded model + shipped head, per-step and per-answer."""
-    scored = commands.answer(["What is 7 + 8?", "Calculate 91 - 17 + 5."], model=str(embedded_model), max_tokens=32)
+    scored = uhead_vllm.answer(["What is 7 + 8?", "Calculate 91 - 17 + 5."], model=str(embedded_model), max_tokens=32)
     gc.collect()
     assert len(scored) == 2
     for s in scored:

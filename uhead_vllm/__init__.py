@@ -3,8 +3,9 @@
 The names below are the public API. Layers of the package: worker side inside vLLM
 (:mod:`uhead_vllm.capture`), vLLM-version adapters (:mod:`uhead_vllm.adapters`), engine side
 (:mod:`uhead_vllm.generation`), features and heads (:mod:`uhead_vllm.features`,
-:mod:`uhead_vllm.heads`), integrations (:mod:`uhead_vllm.polygraph`,
-:mod:`uhead_vllm.thinkbooster`) and the research pipeline (:mod:`uhead_vllm.study`).
+:mod:`uhead_vllm.heads`), the main job (:mod:`uhead_vllm.scoring`), integrations
+(:mod:`uhead_vllm.polygraph`, :mod:`uhead_vllm.thinkbooster`, :mod:`uhead_vllm.serving`) and the
+research pipeline (:mod:`uhead_vllm.study`).
 """
 
 from .adapters.versions import SUPPORTED_VLLM, UnsupportedVllmError
@@ -26,6 +27,7 @@ from .heads import (
     AttentionPoolingHead,
     HeadFormatError,
     HeadMismatchError,
+    HeadUsage,
     LinearProbeHead,
     UncertaintyHead,
     default_head_dir,
@@ -33,6 +35,7 @@ from .heads import (
     load_head_for_model,
 )
 from .models import embedded_model_path, model_identity, resolve_model
+from .scoring.answer import answer
 
 __version__ = "0.1.0"
 
@@ -45,7 +48,9 @@ __all__ = [
     "MissingRowsError", "UnsupportedVllmError", "HeadMismatchError", "HeadFormatError",
     # features and heads
     "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",
-    "LinearProbeHead", "AttentionPoolingHead", "load_head", "load_head_for_model", "default_head_dir",
+    "LinearProbeHead", "AttentionPoolingHead", "HeadUsage", "load_head", "load_head_for_model", "default_head_dir",
+    # the main job
+    "answer",
     # models and versions
     "embedded_model_path", "model_identity", "resolve_model", "SUPPORTED_VLLM",
 ]

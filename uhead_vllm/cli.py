@@ -2,7 +2,9 @@
 
 ``prepare-model`` converts the embedded model once; ``generate`` runs vLLM with capture on the
 embedded (or any local) model and prints answers with a summary of the captured hidden states;
-the study subcommands (collect, train, evaluate, study, answer) come from ``uhead_vllm.study``.
+``answer`` is the main job (:func:`uhead_vllm.answer`); ``serve`` starts vLLM's OpenAI server with
+per-step uncertainty; the study subcommands (collect, train, evaluate, study) come from
+``uhead_vllm.study``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from .errors import UheadError, worker_errors
 from .runtime import set_env_defaults
 from .tasks import EXAMPLE_QUESTIONS
 
+
+def add_common_args(p: argparse.ArgumentParser, threads: bool = True) -> None:
+    """``--no-progress`` (and ``--threads``) of the commands that train or score heads."""
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    if threads:
+        p.add_argument("--threads", type=int, default=1,
+                       help="torch threads for head training/scoring (default 1: fastest on a busy 2-core CPU)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, args.model_cache)
     n_layers = model_identity(path)["num_hidden_layers"]
     layers = args.layers or [0, n_layers // 2, n_layers]
-    llm = build_llm(str(path), layers, dtype="float32", enforce_eager=not args.compiled,
+    llm = build_llm(str(path), layers, enforce_eager=not args.compiled,
                     kv_cache_memory_bytes=args.kv_cache_mib << 20, max_model_len=2048, seed=args.seed)
     gen = VllmHiddenStatesGenerator(llm, progress=True)
     questions = args.question or EXAMPLE_QUESTIONS
@@ -89,7 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     from .study.commands import register
 
     register(sub)
+
+    p = sub.add_parser("answer", help="answer questions with per-step and per-answer uncertainty")
+    p.add_argument("questions", nargs="*", help="questions, quoted (default: a few built-in arithmetic ones)")
+    p.add_argument("--file", default=None, help="a text file with one question per line")
+    p.add_argument("--head", default=None, help="head directory (default: the shipped default head)")
+    p.add_argument("--model", default=None, help="must be the model the head was trained on")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--allow-other-weights", action="store_true",
+                   help="accept a head trained on other weights of this model shape (fingerprint mismatch)")
+    add_common_args(p)
+    p.set_defaults(func=cmd_answer)
     return parser
+
+
+def cmd_answer(args: argparse.Namespace) -> int:
+    from .scoring.answer import answer
+
+    questions = list(args.questions)
+    if args.file:
+        from pathlib import Path
+
+        questions += [line.strip() for line in Path(args.file).read_text().splitlines() if line.strip()]
+    answer(questions or list(EXAMPLE_QUESTIONS), args.head, model=args.model, max_tokens=args.max_tokens,
+           threads=args.threads, as_json=args.json, allow_other_weights=args.allow_other_weights)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -25,12 +25,24 @@ CPU_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
-def set_env_defaults(**extra: str) -> None:
-    """Apply :data:`CPU_ENV_DEFAULTS` (and ``extra``, e.g. ``VLLM_LOGGING_LEVEL="ERROR"``) where
-    unset; in a checkout, keep vLLM's and inductor's compile caches in ``<repo>/.cache`` so tests,
-    benchmarks and studies share them between runs."""
+def set_env_defaults(*, quiet: bool = False, **extra: str) -> None:
+    """Apply :data:`CPU_ENV_DEFAULTS` (and ``extra``, e.g. ``OMP_NUM_THREADS="1"``) where unset;
+    ``quiet`` logs vLLM's errors only (the study and the main job print their own progress). In a
+    checkout, keep vLLM's and inductor's compile caches in ``<repo>/.cache`` so tests, benchmarks
+    and studies share them between runs."""
+    if quiet:
+        extra = {"VLLM_LOGGING_LEVEL": "ERROR", **extra}
     for key, value in {**CPU_ENV_DEFAULTS, **extra}.items():
         os.environ.setdefault(key, value)
     if REPO_ROOT is not None:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO_ROOT / ".cache" / "vllm"))
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "inductor"))
+
+
+def set_threads(num_threads: int | None) -> None:
+    """Torch intra-op threads for head training/scoring (1 is fastest on a busy 2-core box);
+    None or 0 leaves torch's setting alone."""
+    if num_threads is not None and num_threads > 0:
+        import torch
+
+        torch.set_num_threads(int(num_threads))

@@ -61,7 +61,7 @@ def train_head(cfg: Any, n_train: int, task: str, eval_questions: list[str], out
 
     from uhead_vllm import tasks
     from uhead_vllm.features import FeatureRecipe
-    from uhead_vllm.heads import LinearProbeHead
+    from uhead_vllm.heads import HeadUsage, LinearProbeHead
     from uhead_vllm.metrics import roc_auc
     from uhead_vllm.models import model_identity, resolve_model
     from uhead_vllm.polygraph import UheadWhiteboxModelvLLM, load_capture_llm
@@ -101,7 +101,8 @@ def train_head(cfg: Any, n_train: int, task: str, eval_questions: list[str], out
     j = CANDIDATE_LAYERS.index(best["layer"])
     head = LinearProbeHead(recipe=FeatureRecipe([best["layer"]], best["pooling"]), model_identity=identity, C=best["C"])
     head.fit(layer_feats(j), y)
-    head.training_summary_.update(level="sequence", task=task, n_questions=len(questions), question_seed=100_000)
+    head.training_summary_.update(task=task, n_questions=len(questions), question_seed=100_000)
+    head.usage = HeadUsage.for_level("answer")  # trained on whole answers, prompted by the polygraph config
     head_dir = head.save(out / "head")
     (out / "head_training.json").write_text(json.dumps({
         "task": task, "n_train": len(questions), "wrong_rate": float(y.mean()), "collect_seconds": round(collect_s, 1),
@@ -215,7 +216,10 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
     for r in rows:
         md.append(f"| {r['estimator']} | " + " | ".join(fmt(r[c]) for c in METRIC_COLS) + f" | {fmt(r['roc_auc_wrong'])} |")
     if claim_rows:
-        level = json.loads((head_dir / "config.json").read_text()).get("training", {}).get("study", {}).get("level")
+        from uhead_vllm.heads import load_head
+
+        usage = load_head(head_dir).usage
+        level = usage.level if usage is not None else None
         trained_on = "lines of the study's answers" if level == "step" else "whole answers, not lines"
         md += ["", f"Claim level (answer lines; {n_claims} checkable lines labelled by `tasks.label_steps`; "
                f"the head was trained on {trained_on}):", "",

@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def head_study(head: Any) -> dict:
-    """The data recipe ``uhead-vllm train`` stores in a head (empty for heads trained otherwise)."""
+    """What ``uhead-vllm train`` records about a head's training data (empty for heads trained otherwise)."""
     return dict(getattr(head, "training_summary_", {}).get("study") or {})
 
 
@@ -22,12 +22,13 @@ def chat_builder(head: Any, style: str) -> tuple[Callable[[tasks.Question], list
     training answers were.
     """
     if style == "auto":
-        style = head_study(head).get("generation", {}).get("style")
+        usage = getattr(head, "usage", None)
+        style = ((usage.generation if usage is not None else None) or {}).get("style")
         if style is None:
             raise ValueError("prompt_style=auto but the head records no training prompt style; set prompt_style")
     if style in ("steps", "direct"):
         return (lambda q: tasks.build_chat(q, style)), style
-    from uhead_vllm.study.collect import GenerationRecipe
+    from uhead_vllm.scoring.recipe import GenerationRecipe
 
     recipe = GenerationRecipe(style=style)  # validates the style name
     return recipe.chat, style

@@ -1,7 +1,17 @@
-"""Uncertainty heads: train on per-step features, save/load safely, score steps."""
+"""Uncertainty heads: train on per-step features, save/load safely, score steps; the one registry
+of head classes (:func:`head_class`) and how each head is applied (:class:`HeadUsage`, saved with it)."""
 
 from .attention import AttentionPoolingHead
-from .base import HeadConfig, HeadFormatError, HeadMismatchError, UncertaintyHead, identity_from_hf_config
+from .base import (
+    HeadConfig,
+    HeadFormatError,
+    HeadMismatchError,
+    HeadUsage,
+    UncertaintyHead,
+    head_class,
+    head_names,
+    identity_from_hf_config,
+)
 from .io import HEAD_DIR_ENV, default_head_dir, load_head, load_head_for_model
 from .linear import LinearProbeHead
 
@@ -11,9 +21,12 @@ __all__ = [
     "HeadConfig",
     "HeadFormatError",
     "HeadMismatchError",
+    "HeadUsage",
     "LinearProbeHead",
     "UncertaintyHead",
     "default_head_dir",
+    "head_class",
+    "head_names",
     "identity_from_hf_config",
     "load_head",
     "load_head_for_model",

@@ -74,6 +74,7 @@ class AttentionPoolingHead(UncertaintyHead):
     """
 
     head_type = "attention_pooling"
+    aliases = ("attention",)
     _param_names = ("d_model", "nhead", "num_layers", "dim_feedforward", "dropout", "max_len", "lr",
                     "weight_decay", "batch_size", "max_epochs", "patience", "val_fraction", "seed", "progress")
 

@@ -4,6 +4,12 @@ A head is only meaningful on hidden states of the model (and layers, and feature
 trained on. Loading therefore compares what was saved with what the caller expects and refuses a
 mismatch loudly instead of producing plausible-looking nonsense. Storage is ``config.json`` (all
 metadata, human readable) + ``weights.safetensors`` (plain tensors; never pickle).
+
+How a head is applied (:class:`HeadUsage`: how its answers are generated and cut into steps, what
+it learnt from, how an answer's P(wrong) is derived) is part of the head's config (``usage``);
+every consumer (main job, server, lm-polygraph estimators, study evaluation) reads it from there.
+Every head class registers itself under its ``head_type`` (and short ``aliases``) in the one
+registry of head classes (:func:`head_class`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from ..features import FeatureRecipe
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
-FORMAT_VERSION = 1
+#: 2: ``usage`` in config.json (version-1 heads kept it in ``training["study"]``; still read).
+FORMAT_VERSION = 2
 IDENTITY_KEYS: tuple[str, ...] = ("name", "architecture", "hidden_size", "num_hidden_layers")
 FINGERPRINT_KEY = "weights_fingerprint"
 #: Set to 1 to accept a head trained on other weights of the same model shape (see check_weights).
@@ -46,6 +53,57 @@ class HeadFormatError(InputError, ValueError):
                          "(head.save(dir)) or retrain it (`uhead-vllm train`)")
 
 
+HEAD_LEVELS: tuple[str, ...] = ("step", "answer", "joint")
+ANSWER_SCORING: tuple[str, ...] = ("span", "max_step")
+
+
+@dataclass(frozen=True)
+class HeadUsage:
+    """How a head is applied; saved as ``usage`` in the head's ``config.json``.
+
+    ``level``: what the head learnt from (``step``: labelled steps; ``answer``: whole answers;
+    ``joint``: both). ``answer_scoring``: how an answer's P(wrong) is derived (``span``: the head on
+    the whole answer; ``max_step``: its most doubtful step). ``generation``: how the answers it was
+    trained on were produced and cut into steps (the fields of
+    :class:`uhead_vllm.scoring.recipe.GenerationRecipe`: prompt style, max_tokens, temperature,
+    logprobs, split_mode, seed); None for a head trained on answers produced otherwise.
+    """
+
+    level: str
+    answer_scoring: str
+    generation: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in HEAD_LEVELS:
+            raise ValueError(f"unknown level {self.level!r}; expected one of {HEAD_LEVELS}")
+        if self.answer_scoring not in ANSWER_SCORING:
+            raise ValueError(f"unknown answer scoring rule {self.answer_scoring!r}; expected one of {ANSWER_SCORING}")
+
+    @classmethod
+    def for_level(cls, level: str, generation: dict[str, Any] | None = None) -> "HeadUsage":
+        """The usage of a head trained at ``level``: a step head scores an answer by its worst
+        step (``max_step``), an answer or joint head by the whole answer (``span``)."""
+        return cls(level, "max_step" if level == "step" else "span", generation)
+
+    @classmethod
+    def from_config(cls, usage: dict[str, Any] | None, training: dict[str, Any]) -> "HeadUsage | None":
+        """``usage`` as saved; for heads saved before it existed (format 1), what training
+        recorded: ``training["study"]`` (``uhead-vllm train``) or a plain ``training["level"]``."""
+        if usage:
+            return cls(**usage)
+        study = training.get("study") or {}
+        level = study.get("level") or training.get("level")
+        if level == "sequence":  # lm-polygraph's name for a whole answer
+            level = "answer"
+        if level not in HEAD_LEVELS:
+            return None
+        default = cls.for_level(level, study.get("generation"))
+        return cls(level, study.get("answer_scoring", default.answer_scoring), default.generation)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class HeadConfig:
     """Everything about a head except its weights; saved as ``config.json``."""
@@ -57,6 +115,7 @@ class HeadConfig:
     recipe: dict[str, Any] | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, Any] | None = None  # HeadUsage.to_dict(); absent in format-1 heads
     format_version: int = FORMAT_VERSION
 
     def save(self, path: str | Path) -> None:
@@ -168,26 +227,58 @@ def check_labels(labels: Any, n: int) -> np.ndarray:
     return y
 
 
+#: The one registry of head classes: ``head_type`` (as saved in config.json) -> class. Filled by
+#: ``UncertaintyHead.__init_subclass__``; read through :func:`head_class`.
+_REGISTRY: dict[str, type["UncertaintyHead"]] = {}
+
+
+def head_class(name: str) -> type["UncertaintyHead"]:
+    """The head class registered as ``name``: its ``head_type`` (``linear_probe``,
+    ``attention_pooling``) or one of its short ``aliases`` (``linear``, ``attention``)."""
+    for cls in _REGISTRY.values():
+        if name == cls.head_type or name in cls.aliases:
+            return cls
+    raise HeadMismatchError(f"unknown head type {name!r}; known: {head_names(aliases=False)} "
+                            f"(short names: {head_names()})")
+
+
+def head_names(aliases: bool = True) -> list[str]:
+    """Registered head names: the short aliases (for command lines) or the saved ``head_type``s."""
+    if not aliases:
+        return sorted(_REGISTRY)
+    return sorted(a for cls in _REGISTRY.values() for a in cls.aliases)
+
+
 class UncertaintyHead(ABC):
     """Base of all heads: scikit-learn style (constructor-only hyper-parameters, ``_``-suffixed
     learned attributes), inputs are lists of per-token step matrices ``[t, F]``.
 
     ``predict_proba`` returns P(wrong) = uncertainty; ``score`` returns validity = 1 - P(wrong)
     (unlike scikit-learn's ``score``, which is accuracy: consumers want a per-step validity).
+    ``usage`` (:class:`HeadUsage`, None if unknown) says how the head is applied; trainers set it.
     """
 
     head_type: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
     _param_names: ClassVar[tuple[str, ...]] = ()
-    _registry: ClassVar[dict[str, type["UncertaintyHead"]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "head_type" in cls.__dict__:
-            UncertaintyHead._registry[cls.head_type] = cls
+            _REGISTRY[cls.head_type] = cls
 
     def __init__(self, recipe: FeatureRecipe | dict[str, Any] | None = None, model_identity: dict[str, Any] | None = None):
         self.recipe = FeatureRecipe.from_dict(recipe) if isinstance(recipe, dict) else recipe
         self.model_identity = dict(model_identity) if model_identity is not None else None
+        self.usage: HeadUsage | None = None
+
+    def require_usage(self, generation: bool = False) -> HeadUsage:
+        """:attr:`usage`, or a ValueError saying the head does not record it (``generation``:
+        the answers' generation recipe is needed too, e.g. to prompt like the training data)."""
+        if self.usage is None or (generation and self.usage.generation is None):
+            what = "generation recipe (prompt style, step splitting)" if self.usage is not None else "usage"
+            raise ValueError(f"this head records no {what} (was it trained with `uhead-vllm train`?)")
+        return self.usage
 
     # --- subclass contract ---------------------------------------------------------------------
 
@@ -246,6 +337,7 @@ class UncertaintyHead(ABC):
             recipe=self.recipe.to_dict() if self.recipe else None,
             hyperparameters=self.get_params(),
             training=dict(getattr(self, "training_summary_", {})),
+            usage=self.usage.to_dict() if self.usage is not None else None,
         )
 
     def save(self, directory: str | Path) -> Path:
@@ -272,11 +364,9 @@ class UncertaintyHead(ABC):
         called on the base class."""
         path = Path(directory)
         config = HeadConfig.load(path / CONFIG_FILE)
-        head_cls = UncertaintyHead._registry.get(config.head_type)
+        head_cls = _REGISTRY.get(config.head_type)
         if head_cls is None:
-            raise HeadMismatchError(
-                f"unknown head type {config.head_type!r}; known: {sorted(UncertaintyHead._registry)}"
-            )
+            raise HeadMismatchError(f"unknown head type {config.head_type!r}; known: {head_names(aliases=False)}")
         if not issubclass(head_cls, cls):
             raise HeadMismatchError(f"{path} holds a {config.head_type!r} head, not a {cls.__name__}")
         check_compatible(config, expect_model_identity, expect_layers, allow_other_weights)
@@ -297,4 +387,8 @@ class UncertaintyHead(ABC):
             raise HeadFormatError(path, f"{WEIGHTS_FILE} does not hold this head's tensors ({exc})") from None
         head.n_features_in_ = config.n_features
         head.training_summary_ = dict(config.training)
+        try:
+            head.usage = HeadUsage.from_config(config.usage, config.training)
+        except (TypeError, ValueError) as exc:
+            raise HeadFormatError(path, f"{CONFIG_FILE} has an invalid usage ({exc})") from None
         return head  # type: ignore[return-value]

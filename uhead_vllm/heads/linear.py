@@ -27,6 +27,7 @@ class LinearProbeHead(UncertaintyHead):
     """
 
     head_type = "linear_probe"
+    aliases = ("linear",)
     _param_names = ("C", "max_iter")
 
     def __init__(

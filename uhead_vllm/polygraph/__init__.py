@@ -1,7 +1,9 @@
 """lm-polygraph integration: fixed vLLM adapter, hidden-state stat calculators, head estimators.
 
-``polygraph_eval`` loads the builders in the top-level ``estimators`` package by name; the Hydra
-configs are in ``configs/polygraph/`` (see docs/polygraph.md).
+``polygraph_eval`` loads the builder modules in the top-level ``estimators`` package by name; they
+forward to :mod:`.builders`. The Hydra configs are in ``configs/polygraph/`` (YAML, plus thin files
+polygraph_eval loads by path: the model load script -> :mod:`.loading`, the answer processing ->
+:mod:`.processing`); see docs/polygraph.md.
 """
 
 from .adapter import (

@@ -57,22 +57,14 @@ class _HeadEstimator(Estimator):
         return out
 
 
-def head_trained_on_steps(summary: dict[str, Any]) -> bool:
-    """Whether a head's training summary says it learnt from steps. ``uhead-vllm train`` records
-    this under ``summary["study"]`` (level and answer scoring); a plain ``level`` key is honoured too."""
-    study = summary.get("study") or {}
-    if "answer_scoring" in study:
-        return study["answer_scoring"] == "max_step"
-    return (study.get("level") or summary.get("level")) == "step"
-
-
 class UHeadSequence(_HeadEstimator):
     """Sequence-level P(wrong) of the answer.
 
     ``reduce``: ``whole`` applies the head to the whole answer's token matrix (a head trained on
     answers); ``max`` / ``mean`` / ``last`` reduce per-claim probabilities (a head trained on steps);
-    ``auto`` follows the head's training summary: ``max`` for a head trained on steps (study
-    ``level: step`` / ``answer_scoring: max_step``, e.g. the default head), else ``whole``.
+    ``auto`` follows the head's usage (:class:`uhead_vllm.heads.HeadUsage`, saved with the head):
+    ``max`` for a head that scores answers by their worst step (``answer_scoring: max_step``, a head
+    trained on steps, e.g. the default head), else ``whole``.
     """
 
     def __init__(self, head_path: str | Path = "default", reduce: str = "auto", name: str = "UHead",
@@ -80,7 +72,8 @@ class UHeadSequence(_HeadEstimator):
         super().__init__(head_path, ["uhead_sequence_features", "uhead_claim_features"], "sequence", name,
                          allow_other_weights)
         if reduce == "auto":
-            reduce = "max" if head_trained_on_steps(self.head.training_summary_) else "whole"
+            usage = self.head.usage
+            reduce = "max" if usage is not None and usage.answer_scoring == "max_step" else "whole"
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {('auto',) + REDUCTIONS}, got {reduce!r}")
         self.reduce = reduce

@@ -69,16 +69,14 @@ def load_capture_llm(
     logprobs: int,
     head_path: str | None = None,
     capture_layers: Sequence[int] | None = None,
-    capture_dtype: str = "float32",
-    max_capture_bytes: int = 1 << 30,
     check_dataset: dict[str, Any] | None = None,
-    seed: int | None = 0,
-    **llm_kwargs: Any,
+    **build_kwargs: Any,
 ) -> tuple[Any, Any]:
     """``(vllm.LLM with capture installed, SamplingParams)`` as polygraph_eval's vLLM path expects.
 
     ``model_path`` may be ``default`` (the embedded model) or a local HF folder. ``check_dataset``
-    (``{path, text_column, label_column}``) is validated first, before the engine is built.
+    (``{path, text_column, label_column}``) is validated first, before the engine is built. Engine
+    and capture settings (``build_kwargs``) go to :func:`uhead_vllm.generation.build_llm` unchanged.
     """
     if check_dataset:
         check_csv_dataset(check_dataset["path"], check_dataset["text_column"], check_dataset.get("label_column"))
@@ -89,7 +87,5 @@ def load_capture_llm(
     from ..generation import build_llm
     from ..models import resolve_model
 
-    folder = resolve_model(model_path)
-    llm = build_llm(str(folder), layers, capture_dtype=capture_dtype, max_capture_bytes=max_capture_bytes,
-                    seed=seed, **llm_kwargs)
+    llm = build_llm(str(resolve_model(model_path)), layers, **build_kwargs)
     return llm, SamplingParams(max_tokens=int(max_new_tokens), logprobs=int(logprobs))

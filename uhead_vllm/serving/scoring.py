@@ -1,6 +1,6 @@
 """The head on one served sequence: the same scoring as the offline main job (``uhead-vllm answer``).
 
-The final scores go through :func:`uhead_vllm.study.answer.score_generation` itself, fed with
+The final scores go through :func:`uhead_vllm.scoring.answer.score_generation` itself, fed with
 the ids and logprobs vLLM returned and the sequence's exact rows, so a served answer gets the
 same numbers as the offline job. :func:`score_spans` scores steps of a still-growing answer
 (streaming) with the same features.
@@ -14,14 +14,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..features import StepSpan, split_steps
+from ..features import StepSpan, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
-from ..study.answer import score_generation
-from ..study.collect import GenerationRecipe
-from ..study.data import AnswerArrays
-from ..study.examples import span_features
-from ..study.train import study_settings
-from ..features import topk_logprob_rows
+from ..scoring.answer import score_generation
+from ..scoring.recipe import GenerationRecipe
+from ..scoring.spans import AnswerArrays, span_features
 
 
 @dataclass
@@ -53,7 +50,7 @@ class Scorer:
         self.name = name
         self.tokenizer = tokenizer
         self.layers = tuple(layers)  # the captured layers, in the order rows carry them
-        self.recipe = GenerationRecipe(**study_settings(head)["generation"])
+        self.recipe = GenerationRecipe(**head.require_usage(generation=True).generation)
         missing = [k for k in head.recipe.layers if k not in self.layers]
         if missing:
             raise ValueError(f"the head needs layers {missing}, which the engine does not capture "

@@ -1,14 +1,12 @@
-"""Real-data uncertainty study: collect labelled answers with hidden states, train heads,
-evaluate them against logprob baselines, and answer questions with per-step uncertainty."""
+"""The research pipeline: collect labelled answers with hidden states, train heads, evaluate them
+against logprob baselines (``uhead-vllm collect / train / evaluate / study``).
 
-# The submodules ``answer``, ``collect``, ``evaluate`` and ``train`` share their names with the
-# functions re-exported below. Python binds a submodule to its package's attribute when it is
-# first imported, so a lazy ``from .answer import ...`` would replace the function ``answer`` with
-# the module. Importing them here first, then binding the functions, keeps the functions.
-from . import answer as _answer_module  # noqa: F401
-from . import collect as _collect_module  # noqa: F401
-from . import evaluate as _evaluate_module  # noqa: F401
-from . import train as _train_module  # noqa: F401
-from .commands import answer, collect, evaluate, register, run_study, train
+The command functions live in :mod:`uhead_vllm.study.commands` (``commands.collect``,
+``commands.train``, ``commands.evaluate``); they are not re-exported here, because their names are
+those of this package's modules. The main job (``answer``) is the product's:
+:func:`uhead_vllm.answer` (:mod:`uhead_vllm.scoring.answer`).
+"""
 
-__all__ = ["answer", "collect", "evaluate", "register", "run_study", "train"]
+from .commands import StudyPlan, register, run_study
+
+__all__ = ["StudyPlan", "register", "run_study"]

@@ -1,4 +1,4 @@
-"""``python -m uhead_vllm.study {collect,train,evaluate,study,answer} ...``"""
+"""``python -m uhead_vllm.study {collect,train,evaluate,study} ...``"""
 
 from .commands import main
 

@@ -11,24 +11,13 @@ from typing import Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..adapters import engine as engine_internals
 from .. import tasks
-from ..features import sampled_token_logprobs, split_steps, topk_logprob_rows
+from ..adapters import engine as engine_internals
+from ..features import split_steps
+from ..scoring.recipe import GenerationRecipe
+from ..scoring.spans import AnswerArrays, logprob_arrays
 from .baselines import span_baselines
-from .data import AnswerArrays, AnswerRecord, DatasetWriter, StepRecordJson
-
-#: Prompt styles of this study on top of ``tasks.build_chat``'s ("steps", "direct").
-#: SmolLM2-135M copies the worked example of ``tasks``' "steps" prompt ("12 + 7 = 19") into many
-#: answers, so "steps_plain" is the same instruction without the example: short answers made of
-#: "a op b = c" lines (checkable by ``tasks.check_step_line``) and an "Answer:" line.
-STUDY_STYLES: dict[str, str] = {
-    "steps_plain": (
-        "Solve step by step. Write one calculation per line as \"a op b = c\". "
-        "End with a line \"Answer: <number>\".\n\n{question}"
-    ),
-    "explain": "Solve this and explain your calculation step by step, then give the final answer.\n\n{question}",
-    "raw": "{question}",
-}
+from .data import AnswerRecord, DatasetWriter, StepRecordJson
 
 
 @dataclass
@@ -46,49 +35,6 @@ class TaskPlan:
         if len(parts) != 3:
             raise ValueError(f"task plan {spec!r} must look like task:n:seed")
         return cls(parts[0], int(parts[1]), int(parts[2]))
-
-
-@dataclass
-class GenerationRecipe:
-    """How answers are produced and cut into steps; recorded in manifests and head configs so the
-    main job prompts and splits exactly like the training data."""
-
-    style: str = "steps_plain"
-    max_tokens: int = 64
-    temperature: float = 0.0
-    logprobs: int = 10
-    split_mode: str = "line"
-    seed: int = 0
-    samples: int = 1  # answers per question (vLLM n); > 1 needs temperature > 0
-
-    #: Fields that decide what a step's features mean; datasets trained together must agree on
-    #: them (temperature, seed, samples and max_tokens only change which answers there are).
-    FEATURE_FIELDS = ("style", "logprobs", "split_mode")
-
-    def __post_init__(self) -> None:
-        if self.style not in STUDY_STYLES and self.style not in ("steps", "direct"):
-            raise ValueError(f"unknown prompt style {self.style!r}; known: {sorted(STUDY_STYLES) + ['direct', 'steps']}")
-        if self.logprobs < 1:
-            raise ValueError("logprobs must be >= 1: baselines need the sampled token's logprob")
-        if self.split_mode not in ("line", "sentence"):
-            raise ValueError("split_mode must be 'line' or 'sentence'")
-        if self.samples < 1 or (self.samples > 1 and self.temperature <= 0):
-            raise ValueError("samples must be >= 1, and > 1 only with temperature > 0 (greedy samples are identical)")
-
-    def chat(self, question: tasks.Question | str) -> list[dict]:
-        if self.style in STUDY_STYLES:
-            text = question.question if isinstance(question, tasks.Question) else question
-            return [{"role": "user", "content": STUDY_STYLES[self.style].format(question=text.strip())}]
-        return tasks.build_chat(question, self.style)
-
-    def sampling_params(self) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(n=self.samples, max_tokens=self.max_tokens, temperature=self.temperature,
-                              logprobs=self.logprobs, seed=self.seed if self.temperature > 0 else None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def select_questions(plan: TaskPlan, exclude: set[str] = frozenset(), unique: bool = True,
@@ -113,16 +59,6 @@ def select_questions(plan: TaskPlan, exclude: set[str] = frozenset(), unique: bo
         if pool >= plan.n * max_pool_factor:
             return chosen
         pool *= 2
-
-
-def logprob_arrays(output: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_logprobs [T], topk_logprobs [T, k])`` of one vLLM CompletionOutput."""
-    if output.logprobs is None:
-        raise ValueError("the output has no logprobs: generate with SamplingParams(logprobs=k)")
-    ids = list(output.token_ids)
-    if len(output.logprobs) != len(ids):
-        raise ValueError(f"{len(output.logprobs)} logprob entries for {len(ids)} tokens")
-    return sampled_token_logprobs(ids, output.logprobs), topk_logprob_rows(output.logprobs, k)
 
 
 _ANSWER_STATEMENT = re.compile(r"\banswer\b", re.IGNORECASE)

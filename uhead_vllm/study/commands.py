@@ -1,6 +1,6 @@
-"""Command functions of the study (``collect``, ``train``, ``evaluate``, ``study``, ``answer``) and
-their argparse wiring. ``register(subparsers)`` adds them to a CLI; ``python -m uhead_vllm.study``
-runs them directly."""
+"""Command functions of the study (``collect``, ``train``, ``evaluate``, ``study``) and their
+argparse wiring. ``register(subparsers)`` adds them to a CLI; ``python -m uhead_vllm.study`` runs
+them directly. The main job (``answer``) is the product's: :mod:`uhead_vllm.scoring.answer`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .engine import set_env_defaults, set_threads
+from ..cli import add_common_args as _common
+from ..runtime import set_env_defaults, set_threads
 
 # ------------------------------------------------------------------------------------------------
 # Study defaults (see docs/study.md for why these)
@@ -109,9 +110,9 @@ def collect(out: str | Path, tasks: Sequence[str], *, model: str | None = None,
 
 
 def _generator(path: Path, layers: Sequence[int]) -> Any:
-    from .engine import build_generator
+    from ..scoring.answer import build_job_generator
 
-    return build_generator(path, layers)
+    return build_job_generator(path, layers)
 
 
 def train(data: Sequence[str | Path], out: str | Path, *, head: str = "attention", level: str = "joint",
@@ -221,39 +222,9 @@ def run_study(out: str | Path = "experiments/results/study", *, model: str | Non
     return results
 
 
-def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, model: str | None = None,
-           max_tokens: int | None = None, threads: int | None = 1, as_json: bool = False,
-           generator: Any = None, file: Any = None, allow_other_weights: bool = False) -> list[Any]:
-    """The main job: answer ``questions`` with the model and print per-step / per-answer P(wrong).
-
-    ``allow_other_weights`` accepts a head trained on other weights of the same model shape."""
-    from ..heads import load_head_for_model
-    from .answer import answer_questions, check_questions, format_table
-
-    check_questions(questions)
-    set_threads(threads)
-    path = _model_path(model)
-    head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
-    gen = generator if generator is not None else _generator(path, head.recipe.layers)
-    scored = answer_questions(list(questions), gen, head, max_tokens)
-    file = file or sys.stdout
-    if as_json:
-        print(json.dumps([s.to_dict() for s in scored], indent=2), file=file)
-    else:
-        print(format_table(scored), file=file)
-    return scored
-
-
 # ------------------------------------------------------------------------------------------------
 # argparse wiring
 # ------------------------------------------------------------------------------------------------
-
-
-def _common(p: argparse.ArgumentParser, threads: bool = True) -> None:
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    if threads:
-        p.add_argument("--threads", type=int, default=1,
-                       help="torch threads for head training/scoring (default 1: fastest on a busy 2-core CPU)")
 
 
 def _cmd_collect(args: argparse.Namespace) -> None:
@@ -293,20 +264,10 @@ def _cmd_study(args: argparse.Namespace) -> None:
     print(f"timings (s): {results['timings']}")
 
 
-def _cmd_answer(args: argparse.Namespace) -> None:
-    questions = list(args.questions)
-    if args.file:
-        questions += [line.strip() for line in Path(args.file).read_text().splitlines() if line.strip()]
-    if not questions:
-        from ..tasks import EXAMPLE_QUESTIONS
-
-        questions = list(EXAMPLE_QUESTIONS)
-    answer(questions, args.head, model=args.model, max_tokens=args.max_tokens, threads=args.threads,
-           as_json=args.json, allow_other_weights=args.allow_other_weights)
-
-
 def register(subparsers: Any) -> None:
-    """Add ``collect``, ``train``, ``evaluate``, ``study`` and ``answer`` to an argparse subparsers."""
+    """Add ``collect``, ``train``, ``evaluate`` and ``study`` to an argparse subparsers."""
+    from ..heads import head_names
+
     p = subparsers.add_parser("collect", help="generate labelled answers with hidden states into a dataset folder")
     p.add_argument("--out", required=True, help="dataset directory to write")
     p.add_argument("--tasks", nargs="+", required=True, metavar="TASK:N:SEED",
@@ -329,7 +290,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train an uncertainty head on dataset folders")
     p.add_argument("--data", nargs="+", required=True, help="dataset directories")
     p.add_argument("--out", required=True, help="head directory to write (config.json + weights.safetensors)")
-    p.add_argument("--head", choices=("attention", "linear"), default="attention")
+    p.add_argument("--head", choices=head_names(), default="attention")
     p.add_argument("--level", choices=("step", "answer", "joint"), default="joint")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="subset of the captured layers")
     p.add_argument("--pooling", choices=("mean", "last", "mean_last"), default="mean")
@@ -360,21 +321,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=_cmd_study)
 
-    p = subparsers.add_parser("answer", help="answer questions with per-step and per-answer uncertainty")
-    p.add_argument("questions", nargs="*", help="questions, quoted (default: a few built-in arithmetic ones)")
-    p.add_argument("--file", default=None, help="a text file with one question per line")
-    p.add_argument("--head", default=None, help="head directory (default: the shipped default head)")
-    p.add_argument("--model", default=None, help="must be the model the head was trained on")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--allow-other-weights", action="store_true",
-                   help="accept a head trained on other weights of this model shape (fingerprint mismatch)")
-    _common(p)
-    p.set_defaults(func=_cmd_answer)
-
 
 def main(argv: Sequence[str] | None = None) -> None:
-    set_env_defaults()
+    set_env_defaults(quiet=True)
     parser = argparse.ArgumentParser(prog="python -m uhead_vllm.study", description=__doc__)
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import InputError
+from ..scoring.spans import AnswerArrays
 
 FORMAT = "uhead_vllm.study.dataset"
 FORMAT_VERSION = 1
@@ -84,16 +85,6 @@ class AnswerRecord:
         d = dict(d)
         d["steps"] = [StepRecordJson(**s) for s in d["steps"]]
         return cls(**d)
-
-
-@dataclass
-class AnswerArrays:
-    """The tensors of one answer (see module docstring)."""
-
-    hidden: torch.Tensor
-    token_ids: torch.Tensor
-    token_logprobs: torch.Tensor
-    topk_logprobs: torch.Tensor
 
 
 def _shard_name(k: int) -> str:

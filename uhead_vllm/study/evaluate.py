@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 from ..features import FeatureRecipe
 from ..heads import UncertaintyHead, load_head
 from ..metrics import expected_calibration_error, plot_calibration, plot_rejection_curves, prr, roc_auc
+from ..scoring.spans import answer_scores
 from .baselines import BASELINES
 from .data import StudyDataset
 from .examples import Examples, check_recipe, load_examples
-from .train import study_settings
 
 
 @dataclass
@@ -43,24 +43,6 @@ class SetScores:
 
 def _recipe_key(recipe: FeatureRecipe) -> str:
     return json.dumps(recipe.to_dict(), sort_keys=True)
-
-
-def answer_scores(head: UncertaintyHead, answers: Examples, steps: Examples, rule: str,
-                  step_probs: np.ndarray | None = None) -> np.ndarray:
-    """P(wrong) of each answer: the head on the whole span, or the max over the answer's steps
-    (``step_probs``: the head's P(wrong) of ``steps``, when the caller already has them)."""
-    if rule == "span":
-        return head.predict_proba(answers.features)
-    if rule == "max_step":
-        probs = head.predict_proba(steps.features) if step_probs is None else step_probs
-        best: dict[str, float] = {}
-        for aid, p in zip(steps.answer_ids, probs):
-            best[aid] = max(best.get(aid, 0.0), float(p))
-        missing = [a for a in answers.answer_ids if a not in best]
-        if missing:
-            raise ValueError(f"{len(missing)} answers have no scorable step (e.g. {missing[0]})")
-        return np.array([best[a] for a in answers.answer_ids])
-    raise ValueError(f"unknown answer scoring rule {rule!r}; expected 'span' or 'max_step'")
 
 
 def score_set(ds: StudyDataset, heads: Mapping[str, UncertaintyHead], progress: bool = True) -> dict[str, SetScores]:
@@ -82,7 +64,7 @@ def score_set(ds: StudyDataset, heads: Mapping[str, UncertaintyHead], progress: 
     }
     for name, head in heads.items():
         ex = by_recipe[_recipe_key(head.recipe)]
-        rule = study_settings(head)["answer_scoring"]
+        rule = head.require_usage().answer_scoring
         other = "max_step" if rule == "span" else "span"
         step_probs = head.predict_proba(ex["step"].features)  # all steps, once: max_step and step level
         out["answer"].scores[name] = answer_scores(head, ex["answer"], ex["step"], rule, step_probs)
@@ -160,8 +142,8 @@ def evaluate(head_dirs: Mapping[str, str | Path], eval_dirs: Mapping[str, str | 
         raise ValueError(f"calibration head {calibration_head!r} is not among the heads {sorted(heads)}")
     results: dict[str, Any] = {
         "heads": {name: {"dir": str(p), "type": heads[name].head_type, "recipe": heads[name].recipe.to_dict(),
-                         "answer_scoring": study_settings(heads[name])["answer_scoring"],
-                         "level": study_settings(heads[name])["level"]}
+                         "answer_scoring": heads[name].require_usage().answer_scoring,
+                         "level": heads[name].require_usage().level}
                   for name, p in head_dirs.items()},
         "sets": {}, "plots": [], "calibration_head": calibration_head,
         **(extra or {}),

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..features import FeatureRecipe, StepSpan, clip_span, step_token_features
+from ..features import FeatureRecipe, StepSpan
+from ..scoring.spans import AnswerArrays, span_features
 from .baselines import BASELINES, span_baselines
-from .data import AnswerArrays, AnswerRecord, DatasetError, StudyDataset
+from .data import AnswerRecord, DatasetError, StudyDataset
 
 Level = Literal["step", "answer"]
 LEVELS: tuple[str, ...] = ("step", "answer")
@@ -80,16 +81,6 @@ def spans_of(record: AnswerRecord, level: Level, labelled_only: bool = True) -> 
     if level == "step":
         return [(StepSpan(s.start, s.end), s.label) for s in record.steps if s.label is not None or not labelled_only]
     raise ValueError(f"unknown level {level!r}; expected one of {LEVELS}")
-
-
-def span_features(arrays: AnswerArrays, span: StepSpan, recipe: FeatureRecipe,
-                  layers: Sequence[int]) -> torch.Tensor | None:
-    """``[t, F]`` features of ``span`` from generated-token rows; None if no row is left."""
-    clipped = clip_span(span, 0, arrays.hidden.shape[0])
-    if clipped is None:
-        return None
-    topk = arrays.topk_logprobs if recipe.logprob_topk else None
-    return step_token_features(arrays.hidden, 0, clipped, recipe, topk, captured_layers=layers)
 
 
 def answer_examples(record: AnswerRecord, arrays: AnswerArrays, recipe: FeatureRecipe,

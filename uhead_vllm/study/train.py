@@ -5,6 +5,8 @@
 - ``answer``: whole answers labelled by the final grade; answers are scored on their full span;
 - ``joint``: both kinds of examples in one head, so one small file scores steps *and* answers
   (an answer is a span like a step, just longer).
+The level, the answer scoring rule and the datasets' generation recipe are saved as the head's
+usage (:class:`uhead_vllm.heads.HeadUsage`); ``training["study"]`` keeps what it was trained on.
 """
 
 from __future__ import annotations
@@ -16,17 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..features import FeatureRecipe
-from ..heads import AttentionPoolingHead, LinearProbeHead, UncertaintyHead
-from .collect import GenerationRecipe
+from ..heads import HeadUsage, UncertaintyHead, head_class
+from ..heads.base import HEAD_LEVELS
+from ..scoring.recipe import GenerationRecipe
 from .data import DatasetError, StudyDataset
 from .examples import Examples, load_examples
-
-HEAD_CLASSES: dict[str, type[UncertaintyHead]] = {"linear": LinearProbeHead, "attention": AttentionPoolingHead}
-TRAIN_LEVELS = ("step", "answer", "joint")
-
-
-def default_answer_scoring(level: str) -> str:
-    return "max_step" if level == "step" else "span"
 
 
 def open_datasets(paths: Sequence[str | Path]) -> list[StudyDataset]:
@@ -47,8 +43,8 @@ def open_datasets(paths: Sequence[str | Path]) -> list[StudyDataset]:
 
 
 def training_examples(examples: dict[str, Examples], level: str) -> Examples:
-    if level not in TRAIN_LEVELS:
-        raise ValueError(f"unknown level {level!r}; expected one of {TRAIN_LEVELS}")
+    if level not in HEAD_LEVELS:
+        raise ValueError(f"unknown level {level!r}; expected one of {HEAD_LEVELS}")
     if level != "joint":
         return examples[level]
     both = Examples("joint")
@@ -59,11 +55,11 @@ def training_examples(examples: dict[str, Examples], level: str) -> Examples:
 
 def make_head(head_type: str, recipe: FeatureRecipe, identity: dict[str, Any], seed: int,
               progress: bool, **hyper: Any) -> UncertaintyHead:
-    if head_type not in HEAD_CLASSES:
-        raise ValueError(f"unknown head type {head_type!r}; expected one of {sorted(HEAD_CLASSES)}")
-    if head_type == "attention":
-        hyper = {"seed": seed, "progress": progress, **hyper}
-    return HEAD_CLASSES[head_type](recipe=recipe, model_identity=identity, **hyper)
+    """A head of registered type ``head_type`` (:func:`uhead_vllm.heads.head_class`); ``seed`` and
+    ``progress`` go to heads that take them."""
+    cls = head_class(head_type)
+    common = {k: v for k, v in (("seed", seed), ("progress", progress)) if k in cls._param_names}
+    return cls(recipe=recipe, model_identity=identity, **{**common, **hyper})
 
 
 def train_head(dataset_dirs: Sequence[str | Path], head_type: str = "attention", level: str = "joint",
@@ -84,9 +80,6 @@ def train_head(dataset_dirs: Sequence[str | Path], head_type: str = "attention",
     head.fit(train.features, y)
     summary = dict(getattr(head, "training_summary_", {}))
     summary["study"] = {
-        "level": level,
-        "answer_scoring": default_answer_scoring(level),
-        "generation": sets[0].manifest["recipe"],
         "datasets": [{"name": ds.name, "tasks": ds.manifest["tasks"], "counts": ds.manifest["counts"]["total"]}
                      for ds in sets],
         "n_examples": len(y),
@@ -94,12 +87,5 @@ def train_head(dataset_dirs: Sequence[str | Path], head_type: str = "attention",
         "fit_seconds": round(time.perf_counter() - t0, 1),
     }
     head.training_summary_ = summary
+    head.usage = HeadUsage.for_level(level, sets[0].manifest["recipe"])
     return head
-
-
-def study_settings(head: UncertaintyHead) -> dict[str, Any]:
-    """The data recipe a head was trained with (prompt style, splitting, answer scoring)."""
-    study = getattr(head, "training_summary_", {}).get("study")
-    if not study:
-        raise ValueError("this head has no study recipe (was it trained with `uhead-vllm train`?)")
-    return study

@@ -41,11 +41,10 @@ def build_uhead_model(
 
     ``model`` is a local HF folder or "default" (the embedded SmolLM2-135M-Instruct).
     """
-    from ..generation import VllmHiddenStatesGenerator, build_llm
+    from ..generation import build_generator
 
     path = resolve_model(model)
     head = load_step_head(head_dir, path, allow_other_weights) if (scorer == "head" or layers is None) else None
     capture = list(layers) if layers is not None else list(head.recipe.layers)
-    llm = build_llm(str(path), capture, **(llm_kwargs or {}))
-    gen = VllmHiddenStatesGenerator(llm, **(generator_kwargs or {}))
+    gen = build_generator(path, capture, generator_kwargs=generator_kwargs, **(llm_kwargs or {}))
     return UHeadVLLMModel(gen, make_scorer(scorer, head, seed), **model_kwargs)

@@ -1,20 +1,42 @@
-"""The main job: questions in, answers out, each with per-step and per-answer uncertainty from a head."""
+"""The main job: questions in, answers out, each with per-step and per-answer uncertainty from a head.
+
+:func:`answer` is ``uhead-vllm answer`` (and ``uhead_vllm.answer``): it builds the engine for the
+head's layers, prompts and splits like the head's training data (its :class:`~uhead_vllm.heads.HeadUsage`),
+and scores each answer and step. The server (:mod:`uhead_vllm.serving.scoring`) scores with
+:func:`score_generation` too, so served and offline numbers agree.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from .. import tasks
 from ..features import StepSpan, split_steps
 from ..heads import UncertaintyHead
-from .collect import GenerationRecipe, logprob_arrays
-from .data import AnswerArrays
-from .evaluate import answer_scores
-from .examples import Examples, span_features
-from .train import study_settings
+from .recipe import GenerationRecipe
+from .spans import AnswerArrays, SpanBatch, answer_scores, logprob_arrays, span_features
+
+
+def build_job_generator(model_path: str | Path, layers: Sequence[int], **engine_overrides: Any) -> Any:
+    """The engine of the main job and of the study's collection (so a head scores answers captured
+    like its training data): :data:`~uhead_vllm.generation.SMALL_CPU_ENGINE` (``engine_overrides``
+    replace entries), bf16 rows, a 256 MiB prefix row store, one-step generation (a candidate idle
+    for one call is dropped), vLLM logging errors only."""
+    from ..generation import SMALL_CPU_ENGINE, build_generator
+    from ..runtime import set_env_defaults
+
+    set_env_defaults(quiet=True)
+    return build_generator(model_path, layers, capture_dtype="bfloat16",
+                           generator_kwargs={"store_max_bytes": 256 << 20, "step_cache_max_idle": 1},
+                           **{**SMALL_CPU_ENGINE, **engine_overrides})
+
 
 @dataclass
 class ScoredStep:
@@ -43,14 +65,12 @@ class ScoredAnswer:
 def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer: Any, recipe: GenerationRecipe,
                      question: str) -> ScoredAnswer:
     """Score one vLLM output (with logprobs) and its captured rows."""
-    from .. import tasks
-
     ids = list(output.token_ids)
     token_lp, topk = logprob_arrays(output, recipe.logprobs)
     arrays = AnswerArrays(sample.generated_rows(), torch.tensor(ids, dtype=torch.int64), token_lp, topk)
     layers = list(sample.layers)
     spans = split_steps(ids, tokenizer, mode=recipe.split_mode) if ids else []
-    steps = Examples("step")
+    steps = SpanBatch()
     scored = []
     for s in spans:
         feats = span_features(arrays, s, head.recipe, layers)
@@ -67,9 +87,8 @@ def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer:
     whole = span_features(arrays, StepSpan(0, len(ids)), head.recipe, layers) if ids else None
     if whole is None:
         raise ValueError(f"the answer to {question!r} has no hidden rows to score ({len(ids)} token(s))")
-    answers = Examples("answer", [whole], [-1], ["a"], [""])
-    rule = study_settings(head)["answer_scoring"]
-    p_answer = float(answer_scores(head, answers, steps, rule, step_probs)[0])
+    rule = head.require_usage().answer_scoring
+    p_answer = float(answer_scores(head, SpanBatch([whole], ["a"]), steps, rule, step_probs)[0])
     return ScoredAnswer(question, output.text, tasks.extract_answer(output.text), p_answer, scored,
                         output.finish_reason)
 
@@ -84,7 +103,7 @@ def answer_questions(questions: Sequence[str], generator: Any, head: Uncertainty
                      max_tokens: int | None = None) -> list[ScoredAnswer]:
     """Generate answers with the head's own prompt recipe and score them."""
     check_questions(questions)
-    settings = dict(study_settings(head)["generation"])
+    settings = dict(head.require_usage(generation=True).generation)
     if max_tokens is not None:
         settings["max_tokens"] = int(max_tokens)
     recipe = GenerationRecipe(**settings)
@@ -111,3 +130,30 @@ def format_table(answers: Sequence[ScoredAnswer], threshold: float = 0.5) -> str
             lines.append(f"    {k:>4}  {p}   {text[:100]}{'…' if len(text) > 100 else ''}")
         lines.append("")
     return "\n".join(lines)
+
+
+def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, model: str | None = None,
+           max_tokens: int | None = None, threads: int | None = 1, as_json: bool = False,
+           generator: Any = None, file: Any = None, allow_other_weights: bool = False) -> list[ScoredAnswer]:
+    """The main job: answer ``questions`` with the model and print per-step / per-answer P(wrong).
+
+    ``head_dir``: a saved head (None: the shipped default head); ``model``: a local HF folder
+    (None: the embedded model); ``generator``: an existing generator capturing the head's layers
+    (None: one is built with :func:`build_job_generator`). ``allow_other_weights`` accepts a head
+    trained on other weights of the same model shape."""
+    from ..heads import load_head_for_model
+    from ..models import resolve_model
+    from ..runtime import set_threads
+
+    check_questions(questions)
+    set_threads(threads)
+    path = resolve_model(model)
+    head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
+    gen = generator if generator is not None else build_job_generator(path, head.recipe.layers)
+    scored = answer_questions(list(questions), gen, head, max_tokens)
+    file = file or sys.stdout
+    if as_json:
+        print(json.dumps([s.to_dict() for s in scored], indent=2), file=file)
+    else:
+        print(format_table(scored), file=file)
+    return scored

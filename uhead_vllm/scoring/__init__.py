@@ -1,0 +1,19 @@
+"""The product's scoring: a head applied to generated answers (the main job ``uhead-vllm answer``).
+
+- :mod:`.recipe`: how answers are generated and cut into steps (prompt styles, ``GenerationRecipe``);
+- :mod:`.spans`: one answer's tensors, a span's features, an answer's P(wrong) from its spans;
+- :mod:`.answer`: the main job (:func:`uhead_vllm.answer`), scored answers and steps, the table.
+
+The research pipeline (:mod:`uhead_vllm.study`) and the server build on these; nothing here
+imports them. This package re-exports no function named like one of its modules.
+"""
+
+from .answer import ScoredAnswer, ScoredStep, answer_questions, build_job_generator, format_table, score_generation
+from .recipe import PROMPT_STYLES, GenerationRecipe
+from .spans import AnswerArrays, SpanBatch, answer_scores, logprob_arrays, span_features
+
+__all__ = [
+    "AnswerArrays", "GenerationRecipe", "PROMPT_STYLES", "ScoredAnswer", "ScoredStep", "SpanBatch",
+    "answer_questions", "answer_scores", "build_job_generator", "format_table", "logprob_arrays",
+    "score_generation", "span_features",
+]

@@ -1,0 +1,65 @@
+"""How answers are generated and cut into steps for a head: prompt styles and the generation recipe."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import tasks
+
+#: Prompt styles on top of ``tasks.build_chat``'s ("steps", "direct").
+#: SmolLM2-135M copies the worked example of ``tasks``' "steps" prompt ("12 + 7 = 19") into many
+#: answers, so "steps_plain" is the same instruction without the example: short answers made of
+#: "a op b = c" lines (checkable by ``tasks.check_step_line``) and an "Answer:" line.
+PROMPT_STYLES: dict[str, str] = {
+    "steps_plain": (
+        "Solve step by step. Write one calculation per line as \"a op b = c\". "
+        "End with a line \"Answer: <number>\".\n\n{question}"
+    ),
+    "explain": "Solve this and explain your calculation step by step, then give the final answer.\n\n{question}",
+    "raw": "{question}",
+}
+
+
+@dataclass
+class GenerationRecipe:
+    """How answers are produced and cut into steps; recorded in dataset manifests and in a head's
+    usage (:class:`uhead_vllm.heads.HeadUsage`) so the main job prompts and splits exactly like the
+    head's training data."""
+
+    style: str = "steps_plain"
+    max_tokens: int = 64
+    temperature: float = 0.0
+    logprobs: int = 10
+    split_mode: str = "line"
+    seed: int = 0
+    samples: int = 1  # answers per question (vLLM n); > 1 needs temperature > 0
+
+    #: Fields that decide what a step's features mean; datasets trained together must agree on
+    #: them (temperature, seed, samples and max_tokens only change which answers there are).
+    FEATURE_FIELDS = ("style", "logprobs", "split_mode")
+
+    def __post_init__(self) -> None:
+        if self.style not in PROMPT_STYLES and self.style not in ("steps", "direct"):
+            raise ValueError(f"unknown prompt style {self.style!r}; known: {sorted(PROMPT_STYLES) + ['direct', 'steps']}")
+        if self.logprobs < 1:
+            raise ValueError("logprobs must be >= 1: baselines need the sampled token's logprob")
+        if self.split_mode not in ("line", "sentence"):
+            raise ValueError("split_mode must be 'line' or 'sentence'")
+        if self.samples < 1 or (self.samples > 1 and self.temperature <= 0):
+            raise ValueError("samples must be >= 1, and > 1 only with temperature > 0 (greedy samples are identical)")
+
+    def chat(self, question: tasks.Question | str) -> list[dict]:
+        if self.style in PROMPT_STYLES:
+            text = question.question if isinstance(question, tasks.Question) else question
+            return [{"role": "user", "content": PROMPT_STYLES[self.style].format(question=text.strip())}]
+        return tasks.build_chat(question, self.style)
+
+    def sampling_params(self) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(n=self.samples, max_tokens=self.max_tokens, temperature=self.temperature,
+                              logprobs=self.logprobs, seed=self.seed if self.temperature > 0 else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
