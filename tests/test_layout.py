@@ -46,13 +46,10 @@ def test_the_product_never_imports_the_research_pipeline() -> None:
 
 
 def test_the_library_never_imports_the_tiny_test_models() -> None:
-    """``uhead_vllm._testing`` is for tests and benchmarks; ``models.py`` only forwards old names lazily."""
+    """``uhead_vllm._testing`` is for tests and benchmarks, never imported by the library itself."""
     users = [str(p.relative_to(ROOT)) for p in _library_modules()
              if p.name != "_testing.py" and any(n.startswith("uhead_vllm._testing") for n in _imports(p))]
-    assert users == ["uhead_vllm/models.py"]
-    tree = ast.parse((PACKAGE / "models.py").read_text())
-    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert not any("_testing" in ast.unparse(n) for n in top_level)
+    assert users == []
 
 
 def _thin(path: Path) -> list[str]:

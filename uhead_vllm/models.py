@@ -349,13 +349,3 @@ __all__ = [
     "resolve_model",
     "weights_fingerprint",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``TINY_MODEL_VERSION`` / ``build_tiny_model`` moved to :mod:`uhead_vllm._testing`; this
-    lazy forward keeps old imports working without loading the test-model code into the library."""
-    if name in ("TINY_MODEL_VERSION", "build_tiny_model", "build_tiny_tokenizer"):
-        from . import _testing
-
-        return getattr(_testing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from . import baseline_extension
 from .workload import Workload
 
@@ -116,9 +118,12 @@ class Runner:
         def fetch() -> Any:
             t0 = time.perf_counter()
             rows = inner()
-            if rows.placed:  # written into the generator's buffer during the pass, none handed over
+            if rows.placed:  # written into the generator's buffer during the pass
                 self._rows_placed += rows.num_rows
-            self._payload_bytes += sum(p.numel() * p.element_size() for p in rows.hidden_parts)
+                item = torch.empty(0, dtype=self.gen.client.settings.torch_dtype).element_size()
+                self._payload_bytes += rows.num_rows * len(self.gen.layers) * self.gen.hidden_size * item
+            else:
+                self._payload_bytes += sum(p.numel() * p.element_size() for p in rows.hidden_parts)
             self._rows_forwarded += rows.num_rows
             self._fetch_seconds += time.perf_counter() - t0
             return rows

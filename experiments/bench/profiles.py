@@ -59,6 +59,6 @@ def model_path(profile: Profile) -> Path:
         from uhead_vllm.models import embedded_model_path
 
         return embedded_model_path()  # the cache the CLI and scripts/setup.sh use
-    from uhead_vllm.models import TINY_MODEL_VERSION, build_tiny_model
+    from uhead_vllm._testing import TINY_MODEL_VERSION, build_tiny_model
 
     return build_tiny_model(CACHE_ROOT / "tiny_models" / f"llama-v{TINY_MODEL_VERSION}", "llama")
