@@ -172,7 +172,7 @@ class VllmHiddenStatesGenerator:
         self,
         model: Any,
         *,
-        store_max_bytes: int = 1 << 30,
+        store_max_bytes: int = 4 << 30,
         strict: bool = False,
         enable_thinking: bool = False,
         compute_last_token: bool = False,

@@ -45,7 +45,7 @@ class PrefixRowStore:
     rows; its blocks are dropped and the rows recomputed.
     """
 
-    def __init__(self, block_size: int, max_bytes: int = 1 << 30):
+    def __init__(self, block_size: int, max_bytes: int = 4 << 30):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
@@ -134,9 +134,13 @@ class PrefixRowStore:
             self._blocks.move_to_end(key)
             s = slice(b * self.block_size, (b + 1) * self.block_size)
             missing = ~valid[s]
-            rows[s][missing] = block.rows[missing].to(rows.dtype)
+            n = int(missing.sum())
+            if n == self.block_size:
+                rows[s].copy_(block.rows)
+            else:
+                rows[s][missing] = block.rows[missing].to(rows.dtype)
             valid[s] = True
-            filled += int(missing.sum())
+            filled += n
         return filled
 
     def buffer_sizes(self) -> dict[int, int]:

@@ -58,7 +58,7 @@ class VllmHiddenStatesCalculator(StatCalculator):
         n_alternatives: int = 10,
         compute_last_token: bool = True,
         strict: bool = False,
-        store_max_bytes: int = 1 << 30,
+        store_max_bytes: int = 4 << 30,
     ):
         super().__init__()
         self.n_alternatives = n_alternatives
