@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from vllm import SamplingParams
 
 from capture_checks import check_raw_rows
-from reference import BF16_TOL, FP32_TOL
+from reference import BF16_TOL, FP32_TOL, assert_rows_match
 from conftest import make_vllm_kwargs
 from uhead_vllm.capture.protocol import RequestTag
 from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstalledError, VllmHiddenStatesGenerator, build_llm
@@ -122,6 +123,14 @@ def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     seqs = {i: t[f"seq_{i}"].tolist() for i in range(3)}
     check_raw_rows(model, seqs, t["tags"], t["positions"], t["token_ids"], t["hidden"], layers, 1e-4)
     assert t["chunk_offsets"].numel() - 1 > 3 * 2  # prompt chunks + decode steps
+    # The generator on the same engine: the worker placed its rows into shared memory.
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert int(meta["rows_placed"]) == int(meta["rows_captured"]) > 0
+    samples = sorted(k[: -len("_ids")] for k in t if k.startswith("gen_") and k.endswith("_ids"))
+    assert len(samples) == 4
+    for key in samples:
+        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
 
 
 def test_bf16_storage_rows_match_hf(tiny_models):

@@ -3,6 +3,7 @@ after their copy is ready, and failures surface at drain instead of vanishing.""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -69,3 +70,37 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
 def test_destination_refuses_slots_outside_its_buffer():
     with pytest.raises(ValueError, match="buffer has 3"):
         RowDestination(torch.zeros(3, 1, 1), {1: (0, 2), 2: (2, 2)})
+
+
+def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp_path):
+    from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.generation.backends.aux import create_shared_destination
+
+    shared = create_shared_destination((6, 2, 3), "bfloat16", {4: (0, 6)})
+    assert shared is not None
+    spec, mine = shared
+    try:
+        theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
+        theirs.buffer[2] = 7.0
+        assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 6)}
+        other = tmp_path / "same-name-elsewhere"
+        other.write_bytes(b"\0" * 72)
+        moved = SharedDestination(str(other), spec.shape, spec.dtype, spec.slots, spec.file_id)
+        with pytest.raises(FileNotFoundError, match="not the engine side's"):
+            moved.open()
+    finally:
+        os.unlink(spec.path)
+    with pytest.raises(FileNotFoundError, match="not visible"):
+        SharedDestination.from_json(spec.to_json()).open()
+
+
+def test_placed_rows_cross_a_process_boundary_as_metadata_only():
+    from uhead_vllm.capture.protocol import CapturedRows, decode_rows, encode_rows
+
+    z = torch.tensor([3, 3], dtype=torch.int64)
+    rows = CapturedRows((0, 2), [], z, z * 0, torch.tensor([0, 1]), torch.tensor([11, 12]),
+                        torch.tensor([0, 2]), placed=True)
+    back = decode_rows(encode_rows(rows))
+    assert back.placed and back.hidden_parts == [] and back.positions.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="placed into the caller's RowDestination"):
+        back.hidden

@@ -2,6 +2,8 @@
 
 Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
+Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
+into a shared-memory buffer while vLLM generates, and are saved too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from uhead_vllm.capture.protocol import RequestTag
-    from uhead_vllm.generation import CaptureClient, build_llm
+    from uhead_vllm.generation import CaptureClient, VllmHiddenStatesGenerator, build_llm
 
     model, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     layers = json.loads(sys.argv[4])
@@ -36,7 +38,15 @@ def main() -> None:
                "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets}
     for i, o in enumerate(outs):
         tensors[f"seq_{i}"] = torch.tensor(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
-    save_file(tensors, out, metadata={"error": rows.error or ""})
+    res = VllmHiddenStatesGenerator(llm).generate(prompts[:2], SamplingParams(n=2, max_tokens=8, temperature=0.8,
+                                                                              seed=1))
+    for per_prompt in res.hidden_states:
+        for s in per_prompt:
+            key = f"gen_{s.prompt_index}_{s.sample_index}"
+            tensors[f"{key}_hidden"] = s.hidden.clone()
+            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
+    save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(res.stats.rows_placed),
+                                      "rows_captured": str(res.stats.rows_captured)})
 
 
 if __name__ == "__main__":

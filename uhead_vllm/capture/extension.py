@@ -17,7 +17,7 @@ from .. import adapters
 from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .layer_hooks import install_layer_hooks
-from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, encode_rows
+from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, SharedDestination, encode_rows
 from .recorder import RowRecorder
 
 _STATE_ATTR = "_uhead_recorder"
@@ -149,13 +149,19 @@ class UheadCaptureExtension:
         rows = rec.take()
         return rows if inline else encode_rows(rows)
 
-    def uhead_place_into(self, destination: RowDestination | None) -> bool:
-        """Write the coming generation's rows straight into ``destination`` (an engine-side buffer
-        in this same process: only an in-process caller can pass one). True on the recording rank."""
+    def uhead_place_into(self, destination: RowDestination | str | None) -> bool:
+        """Write the coming generation's rows straight into ``destination``: a buffer object when
+        the engine side runs in this process, else a :class:`SharedDestination` as JSON (a
+        shared-memory file the engine side made). True on the recording rank."""
         rec = self._uhead_get_recorder()
         if rec is None:
             return False
-        if destination is not None and not isinstance(destination, RowDestination):
+        if isinstance(destination, str):
+            try:
+                destination = SharedDestination.from_json(destination).open()
+            except FileNotFoundError:
+                return False  # another host: the rows come back with the fetch instead
+        elif destination is not None and not isinstance(destination, RowDestination):
             raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
         rec.place_into(destination)
         return True

@@ -8,6 +8,7 @@ ever pickled, so a payload from another process can be decoded safely.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -134,7 +135,8 @@ class CapturedRows:
 
 @dataclass
 class RowDestination:
-    """Where the worker writes rows during a generation, when the engine runs in the caller's process.
+    """Where the worker writes rows during a generation: a tensor of the caller's process when the
+    engine core runs there, else a mapping of a shared-memory file (:class:`SharedDestination`).
 
     Each request tag owns ``slots[tag] = (first row, capacity)`` of ``buffer`` and its row at
     position p goes to ``buffer[first + p]`` (positions at or past the capacity are not written).
@@ -156,18 +158,64 @@ class RowDestination:
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
 
 
+@dataclass(frozen=True)
+class SharedDestination:
+    """A :class:`RowDestination` in a shared-memory file, for a worker in another process.
+
+    The engine side creates the file (sparse: pages appear as the worker writes them) and maps it;
+    this plain description crosses the process boundary as JSON and the worker maps the same
+    file, so rows reach the engine side without being serialised.
+    """
+
+    path: str
+    shape: tuple[int, int, int]  # [total capacity, L, H]
+    dtype: str
+    slots: dict[int, tuple[int, int]]
+    file_id: tuple[int, int] = (0, 0)  # (device, inode) of the file: a worker on another host has none
+
+    def to_json(self) -> str:
+        return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                           "slots": {str(t): list(s) for t, s in self.slots.items()},
+                           "file_id": list(self.file_id)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "SharedDestination":
+        d = json.loads(text)
+        if d.get("dtype") not in _DTYPES or len(d.get("shape", ())) != 3:
+            raise ValueError(f"not a shared row destination: {text[:200]!r}")
+        return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
+                   {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
+                   tuple(int(x) for x in d.get("file_id", (0, 0))))
+
+    def open(self) -> RowDestination:
+        """Map the engine side's file as the destination buffer. Raises ``FileNotFoundError``
+        unless this is that very file (same device and inode): a worker on another host must
+        never write rows into a file of its own that the engine side cannot see."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise FileNotFoundError(f"shared row buffer {self.path} is not visible here") from exc
+        if (st.st_dev, st.st_ino) != tuple(self.file_id):
+            raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
+        rows, layers, hidden = self.shape
+        buffer = torch.from_file(self.path, shared=True, size=rows * layers * hidden, dtype=_DTYPES[self.dtype])
+        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots))
+
+
 def encode_rows(rows: CapturedRows) -> bytes:
-    """Serialize to safetensors bytes (metadata carries layers, error and worker stats as JSON)."""
-    if rows.placed:
-        raise ValueError("placed rows live in the caller's buffer; they never cross a process boundary")
+    """Serialize to safetensors bytes (metadata carries layers, error and worker stats as JSON).
+    Placed rows carry their metadata only: the hidden rows are already in the shared buffer."""
     meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats)}
     if rows.error:
         meta["error"] = rows.error
+    if rows.placed:
+        meta["placed"] = "1"
     tensors = {
-        "hidden": rows.hidden.contiguous(),
         "tags": rows.tags, "samples": rows.samples, "positions": rows.positions,
         "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets,
     }
+    if not rows.placed:
+        tensors["hidden"] = rows.hidden.contiguous()
     return st_save(tensors, metadata=meta)
 
 
@@ -178,7 +226,8 @@ def decode_rows(payload: bytes) -> CapturedRows:
     t = st_load(bytes(payload))
     meta = _read_metadata(bytes(payload))
     return CapturedRows(
-        layers=tuple(json.loads(meta["layers"])), hidden_parts=t["hidden"], tags=t["tags"],
+        layers=tuple(json.loads(meta["layers"])), hidden_parts=[t["hidden"]] if "hidden" in t else [],
+        placed=meta.get("placed") == "1", tags=t["tags"],
         samples=t["samples"], positions=t["positions"], token_ids=t["token_ids"],
         chunk_offsets=t["chunk_offsets"], error=meta.get("error"),
         stats=json.loads(meta.get("stats", "{}")),
@@ -203,6 +252,6 @@ def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) ->
 
 
 __all__ = [
-    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination",
+    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination", "SharedDestination",
     "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
 ]

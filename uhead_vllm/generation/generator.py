@@ -276,8 +276,6 @@ class VllmHiddenStatesGenerator:
 
         self.client.fetch()  # drop rows of requests made outside this generator
         destination = self._destination(rendered, owners, child_params)
-        if destination is not None and not self.client.place_into(destination):
-            destination = None
         request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
         captured = self.client.fetch()
         if captured.error:
@@ -361,8 +359,8 @@ class VllmHiddenStatesGenerator:
 
     def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
-        into while vLLM generates (in-process engines; see :class:`RowDestination`). None when
-        that room would exceed half the machine's memory even as untouched address space."""
+        into while vLLM generates (see :class:`RowDestination`). None when that room would exceed
+        half the machine's memory even as untouched address space, or the backend cannot."""
         slots, first = {}, 0
         for tag, params in zip(owners, child_params):
             vllm_input, text = rendered[owners[tag][0]]
@@ -378,9 +376,7 @@ class VllmHiddenStatesGenerator:
         row_bytes = len(self.layers) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
         if first * row_bytes > _physical_memory() // 2:
             return None
-        with torch.inference_mode(False):  # the store relies on the buffer's version counter
-            buffer = torch.empty((first, len(self.layers), self.hidden_size), dtype=dtype)
-        return RowDestination(buffer, slots)
+        return self.client.place_into(slots, (first, len(self.layers), self.hidden_size))
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
                           destination: RowDestination | None) -> None:

@@ -4,7 +4,11 @@ model-runner level (``uhead_vllm.capture``); rows come back through ``collective
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from typing import Any, Iterable
+
+import torch
 
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
@@ -14,6 +18,7 @@ from ...capture.protocol import (
     CapturedRows,
     CaptureSettings,
     RowDestination,
+    SharedDestination,
     decode_rows,
 )
 from ...errors import InputError
@@ -38,6 +43,34 @@ def capture_engine_kwargs(
         "worker_extension_cls": EXTENSION_QUALNAME,
         "additional_config": {CAPTURE_KEY: settings.to_dict()},
     }
+
+
+#: Where shared row buffers live (a RAM-backed file system on Linux).
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: dict[int, tuple[int, int]]
+                              ) -> tuple[SharedDestination, RowDestination] | None:
+    """A sparse shared-memory file of ``shape`` mapped here, or None when the file system lacks
+    room for all of it (a write past its room would kill the worker with SIGBUS)."""
+    rows, layers, hidden = shape
+    nbytes = rows * layers * hidden * torch.empty(0, dtype=CaptureSettings((0,), dtype).torch_dtype).element_size()
+    try:
+        room = os.statvfs(SHARED_MEMORY_DIR)
+    except OSError:
+        return None
+    if nbytes == 0 or room.f_bavail * room.f_frsize < nbytes:
+        return None
+    fd, path = tempfile.mkstemp(dir=SHARED_MEMORY_DIR, prefix="uhead-rows-")
+    st = os.fstat(fd)
+    os.close(fd)
+    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino))
+    try:
+        with torch.inference_mode(False):  # the row store relies on the buffer's version counter
+            return spec, spec.open()
+    except Exception:
+        os.unlink(path)
+        raise
 
 
 class AuxClient:
@@ -65,12 +98,26 @@ class AuxClient:
             )
         return CaptureSettings.from_dict(recording[0]["settings"])
 
-    def place_into(self, destination: RowDestination | None) -> bool:
-        """Have the worker write the next generation's rows into ``destination`` while it runs.
-        Only where the engine core runs in this process; False elsewhere (rows come by fetch)."""
-        if not engine_internals.worker_in_process(self.llm):
-            return False
-        return any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
+    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int]) -> RowDestination | None:
+        """A buffer of ``shape`` the worker writes the next generation's rows into while it runs
+        (``slots``: request tag -> first row, capacity). In this process a plain tensor; with the
+        engine core in another process a shared-memory file both sides map. None where neither
+        can be had (the rows then come back with ``fetch``)."""
+        dtype = self.settings.dtype
+        if engine_internals.worker_in_process(self.llm):
+            with torch.inference_mode(False):  # the row store relies on the buffer's version counter
+                destination = RowDestination(torch.empty(shape, dtype=self.settings.torch_dtype), slots)
+            placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
+            return destination if placed else None
+        shared = create_shared_destination(shape, dtype, slots)
+        if shared is None:
+            return None
+        spec, destination = shared
+        try:
+            placed = any(self.llm.collective_rpc("uhead_place_into", args=(spec.to_json(),)))
+        finally:
+            os.unlink(spec.path)  # both sides hold their mappings; the memory goes with the last one
+        return destination if placed else None
 
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core

@@ -30,9 +30,10 @@ class CaptureClient(Protocol):
 
     settings: CaptureSettings
 
-    def place_into(self, destination: RowDestination | None) -> bool:
-        """Ask for the next generation's rows to be written into ``destination`` while it runs;
-        False where this backend or engine cannot (the rows then come back with ``fetch``)."""
+    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int]) -> RowDestination | None:
+        """A buffer the worker writes the next generation's rows into while it runs (``slots``:
+        request tag -> first row, capacity); None where this backend or engine cannot (the rows
+        then come back with ``fetch``)."""
 
     def fetch(self) -> CapturedRows: ...
 

@@ -159,9 +159,9 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, destination: Any) -> bool:
+    def place_into(self, slots: dict, shape: tuple) -> None:
         """Rows of this backend arrive as files after the generation: never placed while it runs."""
-        return False
+        return None
 
     def fetch(self) -> CapturedRows:
         """Rows of every request finished since the previous fetch (their files are deleted)."""
