@@ -1,10 +1,13 @@
 """polygraph_eval with an uncertainty head on the embedded model: data, head, run, results table.
 
-    python experiments/polygraph/run_polygraph.py                 # 100 eval questions, 300 train
+    python experiments/polygraph/run_polygraph.py                 # 300 eval questions, 300 train
     python experiments/polygraph/run_polygraph.py --head default --out experiments/results/polygraph_default_head
 
 1. Writes the evaluation CSV (reasoning-gym basic_arithmetic, easy config) with
-   ``tasks.write_polygraph_dataset`` where the Hydra config expects it.
+   ``tasks.write_polygraph_dataset`` where the Hydra config expects it. The evaluation questions
+   (seed ``EVAL_SEED``) exclude, by text, every question the head was trained on: the default
+   head's study training questions (re-drawn from the task plans saved in its config), or the
+   probe's training questions; the script asserts the two sets are disjoint.
 2. Head: ``--head DIR`` (or ``default``: the shipped head, trained on the study's prompt and on
    lines), else a linear probe trained here for this prompt and for whole answers, on training
    questions (disjoint seeds) through the same calculators polygraph_eval runs; layer, pooling and
@@ -32,6 +35,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "polygraph" / "polygraph_eval_arith.yaml"
 CANDIDATE_LAYERS = (5, 10, 15, 20, 25, 30)
+# Evaluation questions: seed 300000. reasoning-gym seeds item i with seed + i, so this is far from
+# the default head's training plan (basic_arithmetic:1000:0), the study's test (200000+) and
+# held-out (400000+, 600000+) sets, the layer scan (900000+) and the probe's pool (100000+).
+EVAL_SEED = 300_000
+PROBE_SEED = 100_000
 
 # Before torch/vLLM start: one OpenMP thread. On a shared 2-core machine, 2-thread OpenMP barriers
 # wait for descheduled threads at every parallel region (measured: 16 tokens of one prompt took
@@ -68,8 +76,9 @@ def train_head(cfg: Any, n_train: int, task: str, eval_questions: list[str], out
     from uhead_vllm.polygraph.training import collect_features
 
     seen = set(eval_questions)
-    pool = tasks.load_questions(task, 3 * n_train, seed=100_000)
+    pool = tasks.load_questions(task, 3 * n_train, seed=PROBE_SEED)
     questions = [q for q in pool if q.question not in seen][:n_train]
+    assert not seen & {q.question for q in questions}, "probe training questions overlap the evaluation questions"
     args = {k: v for k, v in dict(cfg.model.load_model_args).items() if k not in ("head_path", "capture_layers", "check_dataset")}
     t0 = time.time()
     llm, sp = load_capture_llm(cfg.model.path, cfg.max_new_tokens, cfg.model.logprobs, capture_layers=CANDIDATE_LAYERS, **args)
@@ -101,16 +110,64 @@ def train_head(cfg: Any, n_train: int, task: str, eval_questions: list[str], out
     j = CANDIDATE_LAYERS.index(best["layer"])
     head = LinearProbeHead(recipe=FeatureRecipe([best["layer"]], best["pooling"]), model_identity=identity, C=best["C"])
     head.fit(layer_feats(j), y)
-    head.training_summary_.update(task=task, n_questions=len(questions), question_seed=100_000)
+    head.training_summary_.update(task=task, n_questions=len(questions), question_seed=PROBE_SEED)
     head.usage = HeadUsage.for_level("answer")  # trained on whole answers, prompted by the polygraph config
     head_dir = head.save(out / "head")
     (out / "head_training.json").write_text(json.dumps({
         "task": task, "n_train": len(questions), "wrong_rate": float(y.mean()), "collect_seconds": round(collect_s, 1),
         "chosen": best, "cv": cv, "example_answers": col.texts[:5],
+        "training_questions": [q.question for q in questions],
     }, indent=2) + "\n")
     print(f"head: layer {best['layer']} {best['pooling']} C={best['C']} cv ROC-AUC {best['cv_roc_auc']:.3f} "
           f"({len(questions)} answers, {y.mean():.0%} wrong, {collect_s:.0f} s)", flush=True)
     return head_dir
+
+
+def head_training_questions(head_dir: Path) -> set[str] | None:
+    """Question texts a saved head was trained on, or None where the head does not say.
+
+    Study heads save their datasets' task plans (``training.study.datasets[].tasks``: task, n,
+    seed); the questions are re-drawn with the study's own selection (``select_questions``).
+    Heads trained by this script list them in ``head_training.json`` next to the head folder.
+    """
+    from uhead_vllm.study.collect import TaskPlan, select_questions
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    plans = [t for d in cfg.get("training", {}).get("study", {}).get("datasets", []) for t in d.get("tasks", [])]
+    if plans:
+        out: set[str] = set()
+        for t in plans:
+            chosen = select_questions(TaskPlan(t["task"], int(t["n"]), int(t["seed"])))
+            if len(chosen) != int(t.get("selected", t["n"])):
+                raise RuntimeError(f"re-drew {len(chosen)} training questions for {t}, the head says {t.get('selected')}")
+            out |= {q.question for q in chosen}
+        return out
+    side = head_dir.parent / "head_training.json"
+    if side.exists() and "training_questions" in (j := json.loads(side.read_text())):
+        return set(j["training_questions"])
+    return None
+
+
+def eval_questions(task: str, n: int, exclude: set[str]) -> list[Any]:
+    """``n`` distinct questions of ``task`` drawn with ``EVAL_SEED``, none of them in ``exclude``."""
+    from uhead_vllm.study.collect import TaskPlan, select_questions
+
+    questions = select_questions(TaskPlan(task, n, EVAL_SEED), exclude=exclude)
+    if len(questions) != n:
+        raise RuntimeError(f"only {len(questions)} {task} questions outside the head's training questions")
+    assert not exclude & {q.question for q in questions}, "evaluation questions overlap training questions"
+    return questions
+
+
+def git_stamp() -> str:
+    """Commit of the checkout (``+dirty`` when tracked files differ from it)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
 
 
 # ---------------------------------------------------------------------------------- log parsing
@@ -152,7 +209,8 @@ def parse_log(path: Path) -> dict[str, Any]:
 METRIC_COLS = ("prr", "prr_normalized", "prr_0.5", "prr_0.5_normalized", "isotonic-pcc", "ece")
 
 
-def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str, seconds: float, head_dir: Path) -> dict:
+def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str, seconds: float, head_dir: Path,
+           stamp: dict[str, Any] | None = None) -> dict:
     import numpy as np
 
     from uhead_vllm import tasks
@@ -189,8 +247,9 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
                                    "prr": prr(y, np.array(u)[keep]), "n_claims": len(y), "wrong_rate": float(y.mean())})
                 n_claims = len(y)
 
+    stamp = stamp or {}
     result = {
-        "command": command, "seconds": round(seconds, 1), "n_questions": len(questions),
+        **stamp, "command": command, "seconds": round(seconds, 1), "n_questions": len(questions),
         "accuracy": float(acc.mean()), "head": str(head_dir), "sequence": rows, "claim": claim_rows,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -204,6 +263,9 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
         f"{len(questions)} basic_arithmetic questions, greedy answers, accuracy {acc.mean():.1%}; "
         f"head `{head_dir.relative_to(REPO) if head_dir.is_relative_to(REPO) else head_dir}`; "
         f"polygraph_eval wall time {seconds:.0f} s.",
+        "",
+        *([f"Produced at commit `{stamp['commit']}` by `{stamp['script_command']}`; evaluation questions: "
+           f"{stamp['eval_questions']}."] if stamp.get("commit") else []),
         "",
         "```", command, "```",
         "",
@@ -234,7 +296,7 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n-eval", type=int, default=100)
+    ap.add_argument("--n-eval", type=int, default=300)
     ap.add_argument("--n-train", type=int, default=300)
     ap.add_argument("--task", default="basic_arithmetic")
     ap.add_argument("--head", default=None, help="saved head dir or 'default' (default: train a linear probe for this set-up)")
@@ -247,16 +309,30 @@ def main() -> None:
 
     out = a.out.resolve()
     (out / "data").mkdir(parents=True, exist_ok=True)
-    questions = tasks.load_questions(a.task, a.n_eval, seed=0)
+    script_command = "python experiments/polygraph/run_polygraph.py " + " ".join(
+        x.replace(str(REPO) + "/", "") for x in sys.argv[1:])
+    commit = git_stamp()
+    if a.head is not None:
+        head_dir = default_head_dir() if a.head == "default" else Path(a.head).resolve()
+        trained_on = head_training_questions(head_dir)
+        if trained_on is None:
+            sys.exit(f"{head_dir}: cannot tell which questions the head was trained on; refusing to evaluate "
+                     "on questions that might overlap them")
+    else:
+        trained_on = set()  # the probe is trained below on questions drawn to exclude these
+    questions = eval_questions(a.task, a.n_eval, trained_on)
     csv = out / "data" / f"{a.task}_eval.csv"
     tasks.write_polygraph_dataset(csv, questions)
     tasks.save_questions_jsonl(out / "data" / f"{a.task}_eval.jsonl", questions)
 
     cfg = compose_config(list(a.overrides))
-    if a.head is not None:
-        head_dir = default_head_dir() if a.head == "default" else Path(a.head).resolve()
-    else:
+    if a.head is None:
         head_dir = train_head(cfg, a.n_train, a.task, [q.question for q in questions], out)
+        trained_on = head_training_questions(head_dir)
+        assert trained_on is not None and not trained_on & {q.question for q in questions}
+    stamp = {"commit": commit, "script_command": script_command,
+             "eval_questions": f"{a.task} seed {EVAL_SEED}, {len(questions)} distinct, disjoint (asserted) "
+                               f"from the {len(trained_on)} questions the head was trained on"}
 
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)  # Hydra appends to an existing log: never mix two runs
@@ -275,7 +351,7 @@ def main() -> None:
     parsed = parse_log(run_dir / "polygraph_eval.log")
     raw = [f"{k}: {v}" for k, v in parsed["metrics"].items()]
     (out / "polygraph_eval_metrics.txt").write_text("\n".join(raw) + "\n")
-    report(parsed, questions, out, shown, seconds, head_dir)
+    report(parsed, questions, out, shown, seconds, head_dir, stamp)
     print((out / "results.md").read_text())
 
 
