@@ -160,10 +160,10 @@ def eval_questions(task: str, n: int, exclude: set[str]) -> list[Any]:
 
 
 def git_stamp() -> str:
-    """Commit of the checkout (``+dirty`` when tracked files differ from it)."""
+    """Commit of the checkout (``+dirty`` when tracked files outside experiments/results differ from it)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results"], cwd=REPO,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
