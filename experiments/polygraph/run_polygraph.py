@@ -159,6 +159,12 @@ def eval_questions(task: str, n: int, exclude: set[str]) -> list[Any]:
     return questions
 
 
+def tasks_module() -> Any:
+    from uhead_vllm import tasks
+
+    return tasks
+
+
 def git_stamp() -> str:
     """Commit of the checkout (``+dirty`` when tracked files outside experiments/results differ from it)."""
     try:
@@ -206,6 +212,21 @@ def parse_log(path: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- report
 
+
+def polygraph_prr(wrong: Any, uncertainty: Any, max_rejection: float = 1.0) -> tuple[float, float]:
+    """(prr, prr_normalized) exactly as polygraph_eval's table computes them (lm-polygraph's own
+    ``PredictionRejectionArea``, oracle and random scores, ``normalize_metric``), for values that
+    polygraph_eval has no ground truth for (claims), so both tables mean the same by "PRR"."""
+    import numpy as np
+    from lm_polygraph.ue_metrics import PredictionRejectionArea
+    from lm_polygraph.ue_metrics.ue_metric import get_random_scores, normalize_metric
+
+    metric = PredictionRejectionArea(max_rejection)
+    quality = 1.0 - np.asarray(wrong, dtype=float)  # polygraph's target: higher = better
+    ue = np.asarray(uncertainty, dtype=float)
+    raw = float(metric(ue, quality))
+    return raw, float(normalize_metric(raw, metric(-quality, quality), get_random_scores(metric, quality)))
+
 METRIC_COLS = ("prr", "prr_normalized", "prr_0.5", "prr_0.5_normalized", "isotonic-pcc", "ece")
 
 
@@ -214,7 +235,7 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
     import numpy as np
 
     from uhead_vllm import tasks
-    from uhead_vllm.metrics import prr, roc_auc
+    from uhead_vllm.metrics import roc_auc
 
     values, metrics = parsed["values"], parsed["metrics"]
     acc = np.array(values[("sequence", "Accuracy")])
@@ -243,8 +264,9 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
             keep = [i for i, l in enumerate(flat) if l is not None and np.isfinite(u[i])]
             y = np.array([flat[i] for i in keep])
             if 0 < y.sum() < len(y):
+                raw, norm = polygraph_prr(y, np.array(u)[keep])
                 claim_rows.append({"estimator": key[1], "roc_auc_wrong": roc_auc(y, np.array(u)[keep]),
-                                   "prr": prr(y, np.array(u)[keep]), "n_claims": len(y), "wrong_rate": float(y.mean())})
+                                   "prr": raw, "prr_normalized": norm, "n_claims": len(y), "wrong_rate": float(y.mean())})
                 n_claims = len(y)
 
     stamp = stamp or {}
@@ -266,6 +288,8 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
         "",
         *([f"Produced at commit `{stamp['commit']}` by `{stamp['script_command']}`; evaluation questions: "
            f"{stamp['eval_questions']}."] if stamp.get("commit") else []),
+        *([f"Report re-made from that run's log at commit `{stamp['report_commit']}` (`--report-only`)."]
+          if stamp.get("report_commit") else []),
         "",
         "```", command, "```",
         "",
@@ -285,8 +309,10 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
         trained_on = "lines of the study's answers" if level == "step" else "whole answers, not lines"
         md += ["", f"Claim level (answer lines; {n_claims} checkable lines labelled by `tasks.label_steps`; "
                f"the head was trained on {trained_on}):", "",
-               "| estimator | ROC-AUC | PRR |", "|---|---|---|"]
-        md += [f"| {r['estimator']} | {fmt(r['roc_auc_wrong'])} | {fmt(r['prr'])} |" for r in claim_rows]
+               "PRR and PRR norm. as polygraph_eval defines them (lm-polygraph's `PredictionRejectionArea`).", "",
+               "| estimator | ROC-AUC | PRR | PRR norm. |", "|---|---|---|---|"]
+        md += [f"| {r['estimator']} | {fmt(r['roc_auc_wrong'])} | {fmt(r['prr'])} | {fmt(r['prr_normalized'])} |"
+               for r in claim_rows]
     (out / "results.md").write_text("\n".join(md) + "\n")
     return result
 
@@ -301,8 +327,20 @@ def main() -> None:
     ap.add_argument("--task", default="basic_arithmetic")
     ap.add_argument("--head", default=None, help="saved head dir or 'default' (default: train a linear probe for this set-up)")
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "polygraph")
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-write results.md/json from the existing run's log (no generation); keeps its stamp")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for polygraph_eval")
     a = ap.parse_args()
+    if a.report_only:
+        out = a.out.resolve()
+        prev = json.loads((out / "results.json").read_text())
+        questions = tasks_module().load_questions_jsonl(out / "data" / f"{a.task}_eval.jsonl")
+        stamp = {k: prev[k] for k in ("commit", "script_command", "eval_questions") if k in prev}
+        stamp["report_commit"] = git_stamp()
+        report(parse_log(out / "run" / "polygraph_eval.log"), questions, out, prev["command"], prev["seconds"],
+               Path(prev["head"]), stamp)
+        print((out / "results.md").read_text())
+        return
 
     from uhead_vllm import tasks
     from uhead_vllm.polygraph import default_head_dir
