@@ -257,6 +257,8 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
         lines = [[s.strip() for s in t.split("\n") if s.strip()] for t in texts]
         labels = [tasks.label_steps(ls, bool(a)) for ls, a in zip(lines, acc)]
         flat = [l for ls in labels for l in ls]
+        answer_of = np.array([i for i, ls in enumerate(labels) for _ in ls])
+        kept_scores: dict[str, np.ndarray] = {}
         for key in [k for k in values if k[0] == "claim"]:
             u = values[key]
             if len(u) != len(flat):
@@ -265,14 +267,29 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
             y = np.array([flat[i] for i in keep])
             if 0 < y.sum() < len(y):
                 raw, norm = polygraph_prr(y, np.array(u)[keep])
+                kept_scores[key[1]] = np.array(u)[keep]
+                claim_y, claim_groups = y, answer_of[keep]
                 claim_rows.append({"estimator": key[1], "roc_auc_wrong": roc_auc(y, np.array(u)[keep]),
                                    "prr": raw, "prr_normalized": norm, "n_claims": len(y), "wrong_rate": float(y.mean())})
                 n_claims = len(y)
 
     stamp = stamp or {}
+    # Head vs the best other claim estimator by ROC-AUC: 95% CI resampling answers (lines of one
+    # answer move together), as in the study.
+    claim_delta = None
+    heads = [r for r in claim_rows if r["estimator"].startswith("UHead")]
+    others = [r for r in claim_rows if not r["estimator"].startswith("UHead")]
+    if heads and others:
+        from uhead_vllm.study.evaluate import bootstrap_delta
+
+        h, b = heads[0], max(others, key=lambda r: r["roc_auc_wrong"])
+        lo, hi = bootstrap_delta(claim_y, kept_scores[h["estimator"]], kept_scores[b["estimator"]], claim_groups, 1000)
+        claim_delta = {"head": h["estimator"], "best_other": b["estimator"],
+                       "delta_roc_auc": h["roc_auc_wrong"] - b["roc_auc_wrong"], "ci95": [lo, hi]}
+
     result = {
         **stamp, "command": command, "seconds": round(seconds, 1), "n_questions": len(questions),
-        "accuracy": float(acc.mean()), "head": str(head_dir), "sequence": rows, "claim": claim_rows,
+        "accuracy": float(acc.mean()), "head": str(head_dir), "sequence": rows, "claim": claim_rows, "claim_head_vs_best_other": claim_delta,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
 
@@ -313,6 +330,10 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
                "| estimator | ROC-AUC | PRR | PRR norm. |", "|---|---|---|---|"]
         md += [f"| {r['estimator']} | {fmt(r['roc_auc_wrong'])} | {fmt(r['prr'])} | {fmt(r['prr_normalized'])} |"
                for r in claim_rows]
+        if claim_delta:
+            md += ["", f"ROC-AUC({claim_delta['head']}) - ROC-AUC({claim_delta['best_other']}) = "
+                       f"{claim_delta['delta_roc_auc']:+.3f}, 95% CI {claim_delta['ci95'][0]:+.3f} … "
+                       f"{claim_delta['ci95'][1]:+.3f} (bootstrap over answers, 1000 resamples)."]
     (out / "results.md").write_text("\n".join(md) + "\n")
     return result
 
