@@ -213,6 +213,13 @@ def test_generate_texts_returns_n_samples_per_prompt(cls, llama_llm):
     model = make_adapter(cls, llama_llm, SamplingParams(max_tokens=4, logprobs=1), instruct=True, system_prompt=None)
     texts = model.generate_texts(TEXTS[:2], max_new_tokens=4, do_sample=True, num_return_sequences=3)
     assert len(texts) == 6 and all(isinstance(t, str) for t in texts)
+    # Values: greedy texts are vLLM's own greedy chat answers to the same user turns (the reference
+    # goes to vLLM directly, not through the adapter).
+    greedy = model.generate_texts(TEXTS[:2], max_new_tokens=4, do_sample=False, num_return_sequences=1)
+    ref = llama_llm.chat([[{"role": "user", "content": t}] for t in TEXTS[:2]],
+                         SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False,
+                         chat_template_kwargs={"enable_thinking": False})
+    assert greedy == [ro.outputs[0].text for ro in ref]
 
 
 def test_upgrade_converts_polygraph_instance_in_place(llama_llm):
