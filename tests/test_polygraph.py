@@ -213,6 +213,13 @@ def test_generate_texts_returns_n_samples_per_prompt(cls, llama_llm):
     model = make_adapter(cls, llama_llm, SamplingParams(max_tokens=4, logprobs=1), instruct=True, system_prompt=None)
     texts = model.generate_texts(TEXTS[:2], max_new_tokens=4, do_sample=True, num_return_sequences=3)
     assert len(texts) == 6 and all(isinstance(t, str) for t in texts)
+    # Values: greedy texts are vLLM's own greedy chat answers to the same user turns (the reference
+    # goes to vLLM directly, not through the adapter).
+    greedy = model.generate_texts(TEXTS[:2], max_new_tokens=4, do_sample=False, num_return_sequences=1)
+    ref = llama_llm.chat([[{"role": "user", "content": t}] for t in TEXTS[:2]],
+                         SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False,
+                         chat_template_kwargs={"enable_thinking": False})
+    assert greedy == [ro.outputs[0].text for ro in ref]
 
 
 def test_upgrade_converts_polygraph_instance_in_place(llama_llm):
@@ -361,3 +368,27 @@ def test_polygraph_eval_end_to_end(tiny_models, llama_head_dir, tmp_path):
             assert f"('sequence', '{est}', 'Accuracy', '{metric}')" in log, (est, metric)
     assert "('claim', 'UHeadClaim'):" in log
     assert "FAILED ESTIMATORS" not in log
+
+    # Values, not only names: each sample's Accuracy is the final number of its greedy answer vs the
+    # reference (graded here with tasks.extract_answer, not polygraph's processing); the table's PRR
+    # values are lm-polygraph's PredictionRejectionArea over the per-sample values in the same log;
+    # the head's P(wrong) lies in [0, 1] (its values are checked by hand in
+    # test_head_estimators_apply_the_saved_head).
+    from lm_polygraph.ue_metrics import PredictionRejectionArea
+
+    from experiments.polygraph.run_polygraph import parse_log
+
+    parsed = parse_log(run_dir / "polygraph_eval.log")
+    acc = np.array(parsed["values"][("sequence", "Accuracy")])
+    texts = parsed["greedy_texts"]
+    assert len(acc) == len(texts) == len(QUESTIONS)
+    want_acc = [float(tasks.extract_answer(t) == tasks.normalize_number(q.answer)) for q, t in zip(QUESTIONS, texts)]
+    np.testing.assert_array_equal(acc, want_acc)
+    for est in ("MaximumSequenceProbability", "Perplexity", "MeanTokenEntropy", "OutputLength", "UHead"):
+        u = np.array(parsed["values"][("sequence", est)])
+        assert u.shape == acc.shape and np.isfinite(u).all(), est
+        for rej, name in ((1.0, "prr"), (0.5, "prr_0.5")):
+            assert parsed["metrics"][("sequence", est, "Accuracy", name)] == pytest.approx(
+                PredictionRejectionArea(rej)(u, acc), abs=1e-9), (est, name)
+    uhead = np.array(parsed["values"][("sequence", "UHead")])
+    assert ((uhead >= 0) & (uhead <= 1)).all()

@@ -124,7 +124,8 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     assert {"lin", "att", "msp", "perplexity", "mean_entropy", "length"} <= set(answer_level["methods"])
     assert res["sets"]["test"]["step"]["n"] > 0
     files = {p.name for p in (tmp_path / "eval").iterdir()}
-    assert {"results.json", "results.md", "rejection_test_answer.png", "calibration_test_step.png"} <= files
+    assert {"results.json", "results.md", "rejection_test_answer.png", "calibration_test_step_lin.png"} <= files
+    assert res["calibration_head"] == "lin"  # the plot's file name says whose calibration it shows
 
     scored = uhead_vllm.answer(["What is 2 + 3?", "Calculate 7 * 6."], att, model=str(model), max_tokens=8,
                                generator=gen)
@@ -201,3 +202,16 @@ def test_main_job_answers_with_the_default_head(embedded_model, capsys):
         assert s.steps[0].start == 0 and all(a.end == b.start for a, b in zip(s.steps, s.steps[1:]))
     out = capsys.readouterr().out
     assert out.count("P(wrong) =") == 2
+
+
+def test_study_draws_calibration_for_the_shipped_default_head():
+    """The study's calibration plots are said to be the default head's: the head it names is the
+    study head the shipped default was trained as (attention pooling, trained on steps)."""
+    import json
+
+    from uhead_vllm.heads import default_head_dir
+
+    name, head_type, level, _, _ = next(h for h in commands.STUDY_HEADS if h[0] == commands.DEFAULT_STUDY_HEAD)
+    cfg = json.loads((default_head_dir() / "config.json").read_text())
+    assert (head_type, level) == ("attention", cfg["training"]["study"]["level"])
+    assert cfg["head_type"].lower().startswith("attention")

@@ -9,7 +9,7 @@ research pipeline (:mod:`uhead_vllm.study`).
 """
 
 from .adapters.versions import SUPPORTED_VLLM, UnsupportedVllmError
-from .errors import EngineDeadError, InputError, UheadError
+from .errors import EngineDeadError, InputError, MissingExtraError, UheadError
 from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
 from .generation import (
     CaptureError,
@@ -44,7 +44,7 @@ __all__ = [
     "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs", "HiddenStatesGeneration",
     "SampleHiddenStates", "StepRecord", "GenerationStats",
     # errors (all derive from UheadError)
-    "UheadError", "InputError", "EngineDeadError", "CaptureError", "CaptureNotInstalledError",
+    "UheadError", "InputError", "EngineDeadError", "MissingExtraError", "CaptureError", "CaptureNotInstalledError",
     "MissingRowsError", "UnsupportedVllmError", "HeadMismatchError", "HeadFormatError",
     # features and heads
     "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",

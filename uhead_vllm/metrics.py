@@ -118,8 +118,10 @@ def _bin_stats(y: np.ndarray, p: np.ndarray, n_bins: int) -> tuple[np.ndarray, n
 
 
 def _figure(ncols: int = 1, nrows: int = 1, **kwargs: Any) -> tuple[Any, Any]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from .errors import require
+
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "Plotting (uhead_vllm.metrics)").FigureCanvasAgg
+    Figure = require("matplotlib.figure", "Plotting (uhead_vllm.metrics)").Figure
 
     fig = Figure(figsize=kwargs.pop("figsize", (6, 4.5)), layout="constrained")
     FigureCanvasAgg(fig)

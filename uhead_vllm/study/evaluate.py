@@ -123,7 +123,8 @@ def plot_set(out_dir: Path, set_name: str, level: str, s: SetScores, calib_head:
     curves = {name: (y, u) for name, u in s.scores.items() if "[" not in name}
     files.append(plot_rejection_curves(out_dir / f"rejection_{set_name}_{level}.png", curves).name)
     if calib_head is not None and calib_head in s.scores:
-        files.append(plot_calibration(out_dir / f"calibration_{set_name}_{level}.png", y, s.scores[calib_head]).name)
+        files.append(plot_calibration(out_dir / f"calibration_{set_name}_{level}_{calib_head}.png", y,
+                                      s.scores[calib_head]).name)
     return files
 
 

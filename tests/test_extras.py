@@ -1,0 +1,91 @@
+"""Optional dependencies (issue #20 item 10): the core package imports without the extras, and a
+feature that needs one names the extra to install.
+
+Each check runs in a fresh interpreter where the extras' modules are made unimportable
+(``sys.modules[name] = None`` makes ``import name`` raise ImportError), as in an install without them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXTRA_MODULES = ("reasoning_gym", "matplotlib", "hydra", "omegaconf", "gguf", "accelerate")
+
+
+def run_without_extras(code: str, *args: str) -> subprocess.CompletedProcess:
+    prelude = "import sys\nfor _m in %r:\n    sys.modules[_m] = None\n" % (EXTRA_MODULES,)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def test_core_dependencies_leave_out_the_extras():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    for pip_name in ("matplotlib", "hydra-core", "reasoning-gym", "gguf", "accelerate"):
+        assert pip_name not in core
+    extras = project["optional-dependencies"]
+    assert {"reasoning-gym", "matplotlib"} <= set(extras["study"])
+    assert any(d.startswith("hydra-core") for d in extras["polygraph"])
+    assert "gguf" in extras["embedded"]
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    for extra in ("study", "polygraph", "embedded"):
+        assert extra in setup.split('pip_q -e ".[')[1].split(']"')[0].split(",")
+
+
+def test_public_api_imports_without_extras():
+    proc = run_without_extras("""
+        import json, uhead_vllm
+        names = list(uhead_vllm.__all__)
+        for n in names:
+            getattr(uhead_vllm, n)
+        import uhead_vllm.tasks, uhead_vllm.metrics, uhead_vllm.models, uhead_vllm.heads, uhead_vllm.features
+        loaded = [m for m in %r if sys.modules.get(m) is not None]
+        print(json.dumps({"n": len(names), "loaded": loaded}))
+    """ % (EXTRA_MODULES,))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["n"] > 20 and got["loaded"] == []
+
+
+@pytest.mark.parametrize("code, package, extra", [
+    ("from uhead_vllm import tasks; tasks.load_questions('basic_arithmetic', 3)", "reasoning-gym", "study"),
+    ("from uhead_vllm import tasks; q = tasks.Question('basic_arithmetic', 'q', 'Calculate 1 + 1.', '2', {});"
+     " tasks.grade(q, 'Answer: 2')", "reasoning-gym", "study"),
+    ("from uhead_vllm.metrics import plot_calibration; plot_calibration('/tmp/_never.png', [0, 1], [0.2, 0.7])",
+     "matplotlib", "study"),
+    ("from pathlib import Path; from uhead_vllm import models;"
+     " models._convert_gguf(Path('/nonexistent/m.gguf'), Path('/tmp/_never'))", "gguf", "embedded"),
+])
+def test_missing_extra_names_the_extra(code, package, extra):
+    proc = run_without_extras(f"""
+        from uhead_vllm import MissingExtraError, UheadError
+        try:
+            {code}
+        except MissingExtraError as e:
+            assert isinstance(e, (UheadError, ImportError)) and e.exit_code == 2
+            print("MESSAGE", e)
+        else:
+            raise SystemExit("no MissingExtraError")
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msg = proc.stdout.split("MESSAGE", 1)[1]
+    assert f"'{package}'" in msg and f"pip install 'uhead-vllm[{extra}]'" in msg
+
+
+def test_cli_reports_missing_extra_in_one_line(tmp_path):
+    proc = run_without_extras("""
+        from uhead_vllm.cli import main
+        raise SystemExit(main(["prepare-model", "--model-cache", sys.argv[1]]))
+    """, str(tmp_path / "cache"))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-3000:])
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert "Traceback" not in proc.stderr and len(errors) == 1
+    assert errors[0].startswith("uhead-vllm prepare-model: error:") and "pip install 'uhead-vllm[embedded]'" in errors[0]
