@@ -84,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--requests", type=int, default=16, help="scored requests with rows per round")
+    ap.add_argument("--row-store-bytes", type=int, default=16 << 20,
+                    help="the server's row store budget (small, so that it fills within the run)")
     ap.add_argument("--out", default=str(REPO / "experiments" / "results" / "serving"))
     args = ap.parse_args()
     from openai import OpenAI
@@ -91,7 +93,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip())
-    server = Server(["--max-num-seqs", "32"], Path(tempfile.mkdtemp()) / "server.log", timeout=600)
+    server = Server(["--max-num-seqs", "32", "--row-store-bytes", str(args.row_store_bytes)], Path(tempfile.mkdtemp()) / "server.log", timeout=600)
     samples = []
     try:
         info = server.get_json("/uhead/info")
@@ -118,6 +120,7 @@ def main() -> None:
     meta = {"commit": commit + ("-dirty" if dirty else ""),
             "command": " ".join(["python", "-m", "experiments.serving.memory", *sys.argv[1:]]),
             "rounds": args.rounds, "requests_per_round": args.requests, "row_layers": ROW_LAYERS,
+            "row_store_bytes": args.row_store_bytes,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,7 @@ def main() -> None:
              f"commit `{meta['commit']}`, `{meta['command']}`, {meta['time']}; embedded SmolLM2-135M-Instruct, "
              f"shipped head; per round {args.requests} scored requests (n=2, rows of layers {ROW_LAYERS}) and 4 "
              "streaming requests left mid-stream, 8 at a time; resident memory of the server's process tree "
-             "after each round.", "",
+             f"after each round; row store budget {args.row_store_bytes} bytes (it fills up to that, by design).", "",
              "| round | RSS (MiB) | rows held by the worker (bytes) | rows held by the server (bytes) | row store (bytes) |",
              "|---:|---:|---:|---:|---:|"]
     for s in samples:
