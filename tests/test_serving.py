@@ -27,9 +27,14 @@ PREFIX = ("You are a careful calculator. Think line by line, write every step on
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+def head_path(tiny_models, tmp_path_factory):
+    return build_tiny_head(tiny_models["llama"], tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory, head_path):
     model = tiny_models["llama"]
-    head = build_tiny_head(model, tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
+    head = head_path
     log = tmp_path_factory.mktemp("serve") / "server.log"
     yield from serve(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
                       "--capture-dtype", "float32", "--max-model-len", "512",
@@ -75,6 +80,41 @@ def test_chat_scores_each_step_and_plain_requests_are_untouched(client):
     assert scored and all(0.0 <= p <= 1.0 for p in scored)
     assert unc["answer_p_wrong"] == pytest.approx(max(scored))
     assert res.choices[0].logprobs is None  # the head's logprobs stay inside the server
+
+
+def test_features_are_the_heads_pooled_inputs_per_step(client, server, tiny_models, head_path):
+    """Each step's ``features`` are the head's inputs pooled its way: the layer part equals the mean
+    of Hugging Face's rows over the step's tokens, and the head on them gives the step's P(wrong)."""
+    from uhead_vllm.features import FeatureRecipe, StepSpan, clip_span, step_token_features
+    from uhead_vllm.heads import load_head
+
+    model = tiny_models["llama"]
+    res = chat(client, PREFIX + "What is 12 + 30?", max_tokens=24, temperature=0,
+               extra_body={"uncertainty": {"features": True, "rows": {"layers": HEAD_LAYERS}}})
+    unc = res.choices[0].model_extra["uncertainty"]
+    head = load_head(head_path)
+    _, ids = rows_of(unc)
+    generated = hf_rows(model, ids, HEAD_LAYERS)[res.usage.prompt_tokens :]
+    layers_only = FeatureRecipe(HEAD_LAYERS, "mean", 0)
+    width = layers_only.token_dim(generated.shape[-1])
+    checked = 0
+    for step in unc["steps"]:
+        span = clip_span(StepSpan(step["token_start"], step["token_end"]), 0, generated.shape[0])
+        if span is None:
+            assert step["features"] is None and step["p_wrong"] is None
+            continue
+        features = torch.tensor(step["features"])
+        assert features.shape[0] == head.recipe.token_dim(generated.shape[-1])
+        expected = step_token_features(generated, 0, span, layers_only, None, HEAD_LAYERS).mean(dim=0)
+        assert relative_error(features[:width], expected) < 1e-4
+        assert float(head.predict_proba([features.view(1, -1)])[0]) == pytest.approx(step["p_wrong"], abs=1e-6)
+        checked += 1
+    assert checked >= 1
+    from uhead_vllm.client import UncertaintyClient
+
+    [typed] = UncertaintyClient(server.url, max_retries=0).chat(PREFIX + "What is 12 + 30?", max_tokens=24,
+                                                                features=True)
+    assert [st.features for st in typed.steps] == [st["features"] for st in unc["steps"]]
 
 
 def test_n_samples_each_get_their_own_rows(client, tiny_models):
@@ -124,10 +164,10 @@ def test_streaming_sends_step_scores_then_the_same_final_scores(client):
 
 
 def test_concurrent_requests_with_shared_prefixes_never_mix_rows(client, server, tiny_models):
-    """24 concurrent requests (chat and completions, n=1..3, streaming and not) over shared
+    """32 concurrent requests (chat and completions, n=1..3, streaming and not) over shared
     prefixes; every choice's rows equal HF's forward on that choice's own token ids."""
     jobs = []
-    for i in range(24):
+    for i in range(32):
         q = f"{PREFIX * (1 + i % 2)}Question {i % 5}: what is {i} + {i % 7}?"
         jobs.append((i, q))
 
@@ -148,13 +188,13 @@ def test_concurrent_requests_with_shared_prefixes_never_mix_rows(client, server,
         r = chat(client, q, n=1 + i % 3, max_tokens=16, temperature=1.0, seed=i, extra_body=body)
         return [c.model_extra["uncertainty"] for c in r.choices]
 
-    with ThreadPoolExecutor(24) as pool:
+    with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(run, jobs))
     checked = 0
     for uncs in results:
         for unc in uncs:
             checked += check_rows(tiny_models["llama"], unc)
-    assert checked > 24 * 60
+    assert checked > 32 * 60
     status = server.get_json("/uhead/status")
     assert status["rows_from_store"] + status["rows_recomputed"] > 0  # prefix-cached rows were filled
     assert status["running_requests"] == 0 and status["worker_bytes_held"] == 0
@@ -172,6 +212,7 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("unc, needle", [
     ("yes", "must be true or an object"),
+    ({"steps": False, "features": True, "rows": {"layers": [0]}}, "they need 'steps'"),
     ({"stepz": True}, "unknown key"),
     ({"rows": {"layers": [1]}}, "not captured"),
     ({"rows": {"layers": [0]}, "max_bytes": 1000}, "budget exceeded"),

@@ -17,12 +17,14 @@ import torch
 
 @dataclass(frozen=True)
 class StepScore:
-    """One step: its text, its generated-token span ``[token_start, token_end)`` and P(wrong)."""
+    """One step: its text, its generated-token span ``[token_start, token_end)`` and P(wrong);
+    ``features``: the head's pooled inputs for the step, when asked for (``features=True``)."""
 
     text: str
     token_start: int
     token_end: int
     p_wrong: float | None
+    features: list[float] | None = None
 
 
 @dataclass
@@ -69,8 +71,8 @@ class UncertaintyClient:
         self.model = model or self.openai.models.list().data[0].id
 
     @staticmethod
-    def _body(rows: Sequence[int] | None, max_bytes: int | None) -> dict[str, Any]:
-        spec: dict[str, Any] = {}
+    def _body(rows: Sequence[int] | None, max_bytes: int | None, features: bool = False) -> dict[str, Any]:
+        spec: dict[str, Any] = {"features": True} if features else {}
         if rows:
             spec["rows"] = {"layers": list(rows)}
         if max_bytes:
@@ -78,17 +80,19 @@ class UncertaintyClient:
         return {"uncertainty": spec or True}
 
     def chat(self, messages: str | list[dict], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
-             max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any) -> list[ScoredChoice]:
+             features: bool = False, max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any
+             ) -> list[ScoredChoice]:
         """Answer a question (a string) or a conversation; one :class:`ScoredChoice` per choice."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         res = self.openai.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=temperature, extra_body=self._body(rows, max_bytes),
+                                                  temperature=temperature, extra_body=self._body(rows, max_bytes, features),
                                                   **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]
 
     def complete(self, prompt: str | list[str], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
-                 max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any) -> list[ScoredChoice]:
+                 features: bool = False, max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any
+                 ) -> list[ScoredChoice]:
         res = self.openai.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=temperature, extra_body=self._body(rows, max_bytes), **kwargs)
+                                             temperature=temperature, extra_body=self._body(rows, max_bytes, features), **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]

@@ -5,8 +5,8 @@ tokens each gets) and, after the forward, the step's outputs. Per step the recor
 gather on the device (a slice per contiguous run of tagged requests, usually one) and one
 asynchronous device-to-host copy into pinned memory; nothing on the hot path waits for the device.
 ``take`` waits once, then assembles all steps into one :class:`CapturedRows`. When the engine side
-runs in this process and gave a :class:`RowDestination`, the rows go straight there during the
-generation (see placer.py) and only their metadata is kept.
+gave a :class:`RowDestination` (its own tensor in this process, or a shared-memory file), the rows
+go straight there during the generation (see placer.py) and only their metadata is kept.
 
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
 forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the
@@ -53,7 +53,7 @@ class RowRecorder:
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
     _copied: object = None  # CUDA event after the last device-to-host copy
-    destination: RowDestination | None = None  # rows go here during the generation (same process)
+    destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
 
     def __post_init__(self) -> None:

@@ -300,7 +300,8 @@ class VllmHiddenStatesGenerator:
         try:
             # The store keeps views of this call's rows (no copy); sealed once every row is in.
             for q in seqs:
-                self.store.put(q.expected, q.rows, q.valid, seal=False, buffer_bytes=occupied.get(buffer_address(q.rows)))
+                self.store.put(q.expected, q.rows, q.valid, seal=False,
+                               buffer_bytes=occupied.get(buffer_address(q.rows)))
             for q in seqs:
                 stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
             self._recompute_missing(seqs, stats)
@@ -389,6 +390,8 @@ class VllmHiddenStatesGenerator:
         otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
         ``rows`` / ``valid`` are views of the shared buffers.
         """
+        if destination is not None and captured.num_rows and not captured.placed:
+            destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
         lens = torch.tensor([q.num_rows for q in seqs], dtype=torch.int64)
         cum = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         cum[1:] = lens.cumsum(0)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..features import StepSpan, split_steps, topk_logprob_rows
+from ..features import StepSpan, pool, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
 from ..scoring.answer import score_generation
 from ..scoring.recipe import GenerationRecipe
@@ -78,14 +78,27 @@ class Scorer:
         """Steps of a growing answer that can no longer change: all but the last one."""
         return split_steps(token_ids, self.tokenizer, mode=self.recipe.split_mode)[:-1] if token_ids else []
 
-    def score_spans(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
-                    spans: Sequence[StepSpan]) -> list[dict[str, Any]]:
-        """Scores of complete steps of a growing answer (their rows all exist already)."""
+    def _token_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
+                        spans: Sequence[StepSpan]) -> list[torch.Tensor | None]:
+        """The head's per-token input features ``[t, F]`` of each span (None where no row exists)."""
         k = self.head.recipe.logprob_topk
         topk = topk_logprob_rows(logprobs, k, 0, len(token_ids)) if k else torch.zeros(len(token_ids), 0)
         arrays = AnswerArrays(generated_rows, torch.tensor(token_ids, dtype=torch.int64),
                               torch.zeros(len(token_ids)), topk)
-        feats = [span_features(arrays, s, self.head.recipe, list(self.layers)) for s in spans]
+        return [span_features(arrays, s, self.head.recipe, list(self.layers)) for s in spans]
+
+    def pooled_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
+                        steps: Sequence[dict[str, Any]]) -> list[list[float] | None]:
+        """Each step's features as the head's recipe pools them (its layers, then top-k logprobs;
+        ``pooling``), the vector a linear head reads: for people training their own heads."""
+        spans = [StepSpan(s["token_start"], s["token_end"]) for s in steps]
+        feats = self._token_features(token_ids, logprobs[: len(token_ids)], generated_rows, spans)
+        return [None if f is None else pool(f, self.head.recipe.pooling).tolist() for f in feats]
+
+    def score_spans(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
+                    spans: Sequence[StepSpan]) -> list[dict[str, Any]]:
+        """Scores of complete steps of a growing answer (their rows all exist already)."""
+        feats = self._token_features(token_ids, logprobs, generated_rows, spans)
         probs = iter(self.head.predict_proba([f for f in feats if f is not None])
                      if any(f is not None for f in feats) else np.empty(0))
         return [step_dict(self._text(token_ids, s), s.start, s.end, None if f is None else float(next(probs)))

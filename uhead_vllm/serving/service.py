@@ -126,6 +126,10 @@ class UncertaintyService:
         out: dict[str, Any] = {}
         if spec.steps:
             scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, rows[prompt_len:])
+            if spec.features:
+                pooled = self.scorer.pooled_features(s.token_ids, s.logprobs, rows[prompt_len:], scored["steps"])
+                for step, vector in zip(scored["steps"], pooled):
+                    step["features"] = vector
             out.update(scored)
             out["head"] = self.scorer.name
         if spec.rows:

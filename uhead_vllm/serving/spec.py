@@ -12,7 +12,7 @@ from typing import Any
 #: Prefix of every ``vllm_xargs`` key the server uses internally; clients may not send them (a
 #: forged capture tag would read another request's rows or crash the worker's tag parser).
 RESERVED_XARGS_PREFIX = "uhead_vllm"
-_KEYS = {"head", "steps", "rows", "max_bytes"}
+_KEYS = {"head", "steps", "rows", "features", "max_bytes"}
 _ROW_KEYS = {"layers", "dtype"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -41,6 +41,7 @@ class UncertaintySpec:
     rows: RowsSpec | None = None
     max_bytes: int = 0
     head: str | None = None
+    features: bool = False  # each step's pooled head input features, for training one's own head
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
     if steps and limits.head_name is None:
         raise BadUncertaintyRequest("this server has no uncertainty head: 'steps' cannot be scored; "
                                     "ask for rows only ({\"steps\": false, \"rows\": {...}})")
+    features = value.get("features", False)
+    if not isinstance(features, bool):
+        raise BadUncertaintyRequest(f"'uncertainty.features' must be a boolean, got {features!r}")
+    if features and not steps:
+        raise BadUncertaintyRequest("'uncertainty.features' are the head's inputs per step: they need "
+                                    "'steps' (and a head)")
     rows = _parse_rows(value.get("rows"), limits)
     max_bytes = value.get("max_bytes", limits.max_rows_bytes)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -90,7 +97,7 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
                                     "e.g. {\"rows\": {\"layers\": [...]}}")
     if not steps and rows is None:
         raise BadUncertaintyRequest("'uncertainty' asks for nothing: set steps to true or ask for rows")
-    return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head)
+    return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head, features=features)
 
 
 def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
