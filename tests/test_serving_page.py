@@ -12,7 +12,7 @@ import urllib.parse
 
 import pytest
 
-from test_serving import client, server  # noqa: F401  (the module's server fixtures)
+from test_serving import client, head_path, server  # noqa: F401  (the module's server fixtures)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/setup.sh installs it)")
