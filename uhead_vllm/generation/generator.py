@@ -422,8 +422,7 @@ class VllmHiddenStatesGenerator:
             candidates = torch.nonzero(ours if destination is not None else match).flatten()
             last = torch.full((total,), -1, dtype=torch.int64)
             last.scatter_reduce_(0, row[candidates], candidates, reduce="amax")
-            hit = last >= 0
-            hit[hit.clone()] = match[last[hit]]
+            hit = (last >= 0) & match[last.clamp(min=0)]
             if destination is None:
                 src = torch.nonzero(match).flatten()
                 if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():

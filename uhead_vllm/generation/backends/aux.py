@@ -54,7 +54,7 @@ def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: di
     """A sparse shared-memory file of ``shape`` mapped here, or None when the file system lacks
     room for all of it (a write past its room would kill the worker with SIGBUS)."""
     rows, layers, hidden = shape
-    nbytes = rows * layers * hidden * torch.empty(0, dtype=CaptureSettings((0,), dtype).torch_dtype).element_size()
+    nbytes = rows * layers * hidden * CaptureSettings((0,), dtype).torch_dtype.itemsize
     try:
         room = os.statvfs(SHARED_MEMORY_DIR)
     except OSError:
