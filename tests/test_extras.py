@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRA_MODULES = ("reasoning_gym", "matplotlib", "hydra", "omegaconf", "gguf", "accelerate")
+EXTRA_MODULES = ("reasoning_gym", "matplotlib", "hydra", "omegaconf", "gguf", "accelerate", "ray")
 
 
 def run_without_extras(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,8 @@ def test_core_dependencies_leave_out_the_extras():
     assert any(d.startswith("hydra-core") for d in extras["polygraph"])
     assert "gguf" in extras["embedded"]
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    for extra in ("study", "polygraph", "embedded"):
+    assert any(d.startswith("ray") for d in extras["ray"]) and "ray" not in core
+    for extra in ("study", "polygraph", "embedded", "ray"):
         assert extra in setup.split('pip_q -e ".[')[1].split(']"')[0].split(",")
 
 
@@ -63,6 +64,8 @@ def test_public_api_imports_without_extras():
      "matplotlib", "study"),
     ("from pathlib import Path; from uhead_vllm import models;"
      " models._convert_gguf(Path('/nonexistent/m.gguf'), Path('/tmp/_never'))", "gguf", "embedded"),
+    ("from uhead_vllm.scaleout import RayOptions, run_units; run_units(object, {}, [0], RayOptions())",
+     "ray", "ray"),
 ])
 def test_missing_extra_names_the_extra(code, package, extra):
     proc = run_without_extras(f"""

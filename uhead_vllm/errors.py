@@ -49,6 +49,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "omegaconf": ("hydra-core", "polygraph"),
     "gguf": ("gguf", "embedded"),
     "accelerate": ("accelerate", "embedded"),
+    "ray": ("ray", "ray"),
 }
 
 

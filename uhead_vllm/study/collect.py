@@ -4,20 +4,23 @@ compute logprob baselines, and write a :mod:`uhead_vllm.study.data` dataset dire
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import tasks
-from ..adapters import engine as engine_internals
 from ..features import split_steps
+from ..models import model_identity
+from ..scaleout import RayOptions, run_units
 from ..scoring.recipe import GenerationRecipe
 from ..scoring.spans import AnswerArrays, logprob_arrays
 from .baselines import span_baselines
-from .data import AnswerRecord, DatasetWriter, StepRecordJson
+from .data import AnswerRecord, StepRecordJson
+from .partial import PartialDataset
 
 
 @dataclass
@@ -102,43 +105,131 @@ def build_answer(question: tasks.Question, output: Any, sample: Any, tokenizer: 
     return record, AnswerArrays(hidden, torch.tensor(ids, dtype=torch.int64), token_lp, topk)
 
 
-def collect(generator: Any, out_dir: str | Path, plans: Sequence[TaskPlan], recipe: GenerationRecipe,
-            *, model_identity: dict[str, Any], exclude_questions: Iterable[str] = (),
-            batch_size: int = 64, shard_size: int = 256, overwrite: bool = False,
-            progress: bool = True, extra_manifest: dict[str, Any] | None = None) -> Path:
-    """Generate answers for ``plans`` with ``generator`` and write a dataset to ``out_dir``."""
-    exclude = set(exclude_questions)
+@dataclass
+class CollectJob:
+    """One collection, as JSON: what any replica needs to produce any unit, and what a resumed run
+    must match. Unit ``k`` is questions ``k*batch_size`` up to the next multiple: one vLLM call,
+    one shard. Units are the same whoever runs them, so the dataset is too."""
+
+    out: str
+    model: str
+    layers: list[int]
+    recipe: dict[str, Any]
+    questions: list[dict[str, Any]]
+    batch_size: int = 64
+    engine: dict[str, Any] = field(default_factory=dict)
+    capture_dtype: str = "bfloat16"
+    about: dict[str, Any] = field(default_factory=dict)  # for the manifest: the plans, what was excluded
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if not self.questions:
+            raise ValueError("no questions selected")
+
+    @property
+    def n_units(self) -> int:
+        return -(-len(self.questions) // self.batch_size)
+
+    def unit_questions(self, unit: int) -> list[tasks.Question]:
+        return [tasks.Question(**q) for q in self.questions[unit * self.batch_size : (unit + 1) * self.batch_size]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_job(out: str | Path, task_plans: Sequence[str], model: str | Path, layers: Sequence[int],
+             recipe: GenerationRecipe, *, exclude: set[str] = frozenset(), batch_size: int = 64,
+             engine: dict[str, Any] | None = None, about: dict[str, Any] | None = None) -> CollectJob:
+    """The job for ``task_plans`` (``task:n:seed`` each; questions in ``exclude`` skipped, none
+    twice); the manifest will say what was selected per plan, plus ``about``."""
     questions: list[tasks.Question] = []
     selected = []
-    for plan in plans:
-        qs = select_questions(plan, exclude | {q.question for q in questions})
+    for plan in (TaskPlan.parse(t) for t in task_plans):
+        qs = select_questions(plan, set(exclude) | {q.question for q in questions})
         selected.append({**asdict(plan), "selected": len(qs)})
         questions.extend(qs)
-    if not questions:
-        raise ValueError("no questions selected")
-    writer = DatasetWriter(out_dir, shard_size=shard_size, overwrite=overwrite)
-    params = recipe.sampling_params()
-    bar = tqdm(total=len(questions), desc=f"collect {Path(out_dir).name}", unit="question", disable=not progress)
-    for b in range(0, len(questions), batch_size):
-        batch = questions[b : b + batch_size]
-        res = generator.generate([recipe.chat(q) for q in batch], params)
-        for q, ro, samples in zip(batch, res.outputs, res.hidden_states):
-            for output, sample in zip(ro.outputs, samples):  # recipe.samples answers per question
-                record, arrays = build_answer(q, output, sample, generator.tokenizer, recipe)
-                writer.add(record, arrays)
-        generator.step_cache.clear()  # single-step study: no trajectories to keep
-        bar.update(len(batch))
-        done = writer.records
-        bar.set_postfix(acc=f"{sum(r.correct for r in done) / len(done):.2f}")
-    bar.close()
+    return CollectJob(str(out), str(model), [int(k) for k in layers], recipe.to_dict(), [asdict(q) for q in questions],
+                      batch_size, dict(engine or {}),
+                      about={"tasks": selected, "excluded_questions": len(exclude), **(about or {})})
+
+
+class CollectWorker:
+    """A replica's side of a collection: one capturing engine; unit ``k`` in, the unit's shard and
+    answers written into the dataset's ``.partial`` folder, a small summary out."""
+
+    def __init__(self, job: dict[str, Any], generator: Any = None):
+        self.job = CollectJob(**job)
+        self.recipe = GenerationRecipe(**self.job.recipe)
+        if generator is None:
+            from ..scoring.answer import build_job_generator
+
+            generator = build_job_generator(self.job.model, self.job.layers, **self.job.engine)
+        dtype = str(generator.client.settings.dtype).removeprefix("torch.")
+        if list(generator.layers) != list(self.job.layers) or dtype != self.job.capture_dtype:
+            raise ValueError(f"the generator captures layers {list(generator.layers)} as {dtype}; the job asks "
+                             f"for {self.job.layers} as {self.job.capture_dtype}")
+        self.generator = generator
+        self.partial = PartialDataset(self.job.out, self.job.to_dict())
+
+    def run(self, unit: int) -> dict[str, Any]:
+        questions = self.job.unit_questions(unit)
+        gen = self.generator
+        # From a cold prefix cache: a unit's numbers must not depend on which units its replica ran before.
+        gen.reset_hs_step_cache(reset_prefix_cache=True)
+        t0 = time.perf_counter()
+        res = gen.generate([self.recipe.chat(q) for q in questions], self.recipe.sampling_params())
+        answers = [build_answer(q, output, sample, gen.tokenizer, self.recipe)
+                   for q, ro, samples in zip(questions, res.outputs, res.hidden_states)
+                   for output, sample in zip(ro.outputs, samples)]  # recipe.samples answers per question
+        self.partial.write_unit(unit, answers)
+        return {"unit": unit, "questions": len(questions), "answers": len(answers),
+                "correct": sum(r.correct for r, _ in answers), "rows": sum(r.n_rows for r, _ in answers),
+                "seconds": time.perf_counter() - t0}
+
+
+def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = None, overwrite: bool = False,
+            progress: bool = True) -> tuple[Path, dict[str, Any]]:
+    """Write dataset ``job.out``: in this process with ``generator`` (or one built from the job), or
+    on Ray actors (``ray``). Finished units of an interrupted run of the same job are kept (resume).
+    Returns the dataset path and what the run did (units done here / resumed, rows/s, Ray stats)."""
+    partial = PartialDataset(job.out, job.to_dict())
+    resumed = partial.open(overwrite=overwrite)
+    todo = [u for u in range(job.n_units) if u not in set(resumed)]
+    already = sum(len(job.unit_questions(u)) for u in resumed)
+    bar = tqdm(total=len(job.questions), initial=already, desc=f"collect {Path(job.out).name}", unit="question",
+               disable=not progress)
+    tally = {"answers": 0, "correct": 0, "rows": 0}
+
+    def done(unit: int, summary: dict[str, Any]) -> None:
+        for key in tally:
+            tally[key] += summary[key]
+        bar.update(summary["questions"])
+        bar.set_postfix(acc=f"{tally['correct'] / max(tally['answers'], 1):.2f}")
+
+    t0 = time.perf_counter()
+    run: dict[str, Any] = {"units": job.n_units, "resumed_units": resumed, "executor": "ray" if ray else "local"}
+    try:
+        if ray is not None:
+            stats = run_units(CollectWorker, job.to_dict(), todo, ray, on_done=done)
+            run.update(replicas=ray.replicas, actors_started=stats.actors_started,
+                       actors_replaced=stats.actors_replaced, units_retried=stats.units_retried)
+        elif todo:
+            worker = CollectWorker(job.to_dict(), generator)
+            for unit in todo:
+                done(unit, worker.run(unit))
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    run.update(seconds=seconds, rows=tally["rows"], rows_per_s=tally["rows"] / seconds if seconds else 0.0)
+    identity = model_identity(job.model)
     manifest = {
-        "model_identity": model_identity,
-        "layers": list(generator.layers),
-        "capture_dtype": str(generator.client.settings.dtype),
-        "hidden_size": engine_internals.hidden_size(generator.llm),
-        "recipe": recipe.to_dict(),
-        "tasks": selected,
-        "excluded_questions": len(exclude),
-        **(extra_manifest or {}),
+        "model_identity": identity,
+        "layers": list(job.layers),
+        "capture_dtype": job.capture_dtype,
+        "hidden_size": identity["hidden_size"],
+        "recipe": job.recipe,
+        "units": {"count": job.n_units, "questions_per_unit": job.batch_size, "questions": len(job.questions)},
+        **job.about,
     }
-    return writer.close(manifest)
+    return partial.finish(job.n_units, manifest), run

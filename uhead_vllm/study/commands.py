@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..cli import add_common_args as _common
+from ..cli import add_scaleout_args, scaleout_options
 from ..runtime import set_env_defaults, set_threads
 
 # ------------------------------------------------------------------------------------------------
@@ -95,21 +96,40 @@ def collect(out: str | Path, tasks: Sequence[str], *, model: str | None = None,
             layers: Sequence[int] = DEFAULT_LAYERS, style: str = "steps_plain", max_tokens: int = 64,
             temperature: float = 0.0, logprobs: int = DEFAULT_TOPK, split_mode: str = "line", seed: int = 0,
             samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64, overwrite: bool = False,
-            progress: bool = True, generator: Any = None) -> Path:
-    """Generate, grade and store answers for ``tasks`` (``task:n:seed`` each) into dataset ``out``."""
-    from ..models import model_identity
-    from .collect import GenerationRecipe, TaskPlan, collect as run_collect
+            progress: bool = True, generator: Any = None, ray: Any = None,
+            engine: dict[str, Any] | None = None) -> Path:
+    """Generate, grade and store answers for ``tasks`` (``task:n:seed`` each) into dataset ``out``.
+
+    ``ray``: a :class:`uhead_vllm.scaleout.RayOptions` to run the units on Ray actors (the dataset is
+    identical to a one-process run); ``engine``: vLLM settings replacing the job's defaults
+    (:data:`~uhead_vllm.generation.SMALL_CPU_ENGINE`), e.g. ``{"dtype": "bfloat16"}`` on a GPU.
+    An interrupted run of the same collection resumes from its finished units."""
+    from .collect import GenerationRecipe, collect as run_collect, plan_job
     from .data import StudyDataset
 
     recipe = GenerationRecipe(style, max_tokens, temperature, logprobs, split_mode, seed, samples)
-    plans = [TaskPlan.parse(t) for t in tasks]
     exclude = {a.question for d in exclude_from for a in StudyDataset(d).answers}
     path = _model_path(model)
-    gen = generator if generator is not None else _generator(path, layers)
-    return run_collect(gen, out, plans, recipe, model_identity=model_identity(path), exclude_questions=exclude,
-                       batch_size=batch_size, overwrite=overwrite, progress=progress,
-                       extra_manifest={"model_path_name": path.name,
-                                       "excluded_from": [str(d) for d in exclude_from]})
+    job = plan_job(out, tasks, path, layers, recipe, exclude=exclude, batch_size=batch_size, engine=engine,
+                   about={"model_path_name": path.name, "excluded_from": [str(d) for d in exclude_from]})
+    dataset, run = run_collect(job, generator=generator, ray=ray, overwrite=overwrite, progress=progress)
+    if ray is not None or run["resumed_units"]:
+        _log(f"collect {dataset.name}: {_run_line(run)}")
+    return dataset
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    parts = [f"{run['units']} units", f"{run['rows']} rows in {run['seconds']:.1f} s ({run['rows_per_s']:.0f} rows/s)"]
+    if run["resumed_units"]:
+        parts.append(f"{len(run['resumed_units'])} resumed from an interrupted run")
+    if run["executor"] == "ray":
+        parts.append(f"{run['replicas']} Ray replicas ({run['actors_replaced']} replaced, "
+                     f"{run['units_retried']} units redone)")
+    return ", ".join(parts)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _generator(path: Path, layers: Sequence[int]) -> Any:
@@ -231,10 +251,12 @@ def run_study(out: str | Path = "experiments/results/study", *, model: str | Non
 
 
 def _cmd_collect(args: argparse.Namespace) -> None:
+    ray, engine = scaleout_options(args)
     path = collect(args.out, args.tasks, model=args.model, layers=args.layers, style=args.style,
                    max_tokens=args.max_tokens, temperature=args.temperature, logprobs=args.logprobs,
                    split_mode=args.split_mode, seed=args.seed, samples=args.samples, exclude_from=args.exclude_from,
-                   batch_size=args.batch_size, overwrite=args.overwrite, progress=_progress(args))
+                   batch_size=args.batch_size, overwrite=args.overwrite, progress=_progress(args), ray=ray,
+                   engine=engine)
     counts = json.loads((path / "manifest.json").read_text())["counts"]["total"]
     print(f"wrote {path}: {counts['answers']} answers ({counts['correct']} correct), {counts['steps']} steps "
           f"({counts['steps_right']} right, {counts['steps_wrong']} wrong, {counts['steps_unlabelled']} unlabelled)")
@@ -285,8 +307,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--samples", type=int, default=1, help="answers per question (needs temperature > 0)")
     p.add_argument("--exclude-from", nargs="*", default=[], help="datasets whose questions must not be reused")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="questions per vLLM call = per shard = per unit of work (a Ray actor does whole units)")
+    p.add_argument("--overwrite", action="store_true", help="replace the dataset (or an interrupted run of another one)")
+    add_scaleout_args(p)
     _common(p, threads=False)
     p.set_defaults(func=_cmd_collect)
 

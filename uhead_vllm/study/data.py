@@ -16,16 +16,11 @@ token ``r``; the last sampled token has no row), ``"{i}.token_ids"`` (int64 ``[T
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import InputError
 from ..scoring.spans import AnswerArrays
@@ -85,85 +80,6 @@ class AnswerRecord:
         d = dict(d)
         d["steps"] = [StepRecordJson(**s) for s in d["steps"]]
         return cls(**d)
-
-
-def _shard_name(k: int) -> str:
-    return f"shard-{k:05d}.safetensors"
-
-
-class DatasetWriter:
-    """Writes a dataset into ``<out>.partial`` and renames it to ``out`` on :meth:`close`, so an
-    interrupted run never leaves a directory that looks complete."""
-
-    def __init__(self, out_dir: str | Path, shard_size: int = 256, overwrite: bool = False):
-        self.out = Path(out_dir)
-        if self.out.exists() and not overwrite:
-            raise FileExistsError(f"{self.out} exists; pass overwrite=True (--overwrite) to replace it")
-        if shard_size < 1:
-            raise ValueError("shard_size must be >= 1")
-        self.tmp = self.out.with_name(self.out.name + ".partial")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        self.shard_size = shard_size
-        self.records: list[AnswerRecord] = []
-        self._pending: dict[str, torch.Tensor] = {}
-        self._in_shard = 0
-        self._shard = 0
-        self._files: dict[str, int] = {}
-
-    @property
-    def current_shard(self) -> str:
-        return _shard_name(self._shard)
-
-    def add(self, record: AnswerRecord, arrays: AnswerArrays) -> None:
-        """Queue one answer; ``record.index`` and ``record.shard`` are assigned here."""
-        t = arrays.token_ids.shape[0]
-        if arrays.token_logprobs.shape != (t,) or arrays.topk_logprobs.dim() != 2 or arrays.topk_logprobs.shape[0] != t:
-            raise ValueError("token_logprobs must be [T] and topk_logprobs [T, k] for T generated tokens")
-        if arrays.hidden.dim() != 3 or arrays.hidden.shape[0] != record.n_rows:
-            raise ValueError(f"hidden must be [n_rows={record.n_rows}, L, H], got {tuple(arrays.hidden.shape)}")
-        record.index = len(self.records)
-        record.shard = self.current_shard
-        key = str(self._in_shard)
-        self._pending[f"{key}.hidden"] = arrays.hidden.contiguous()
-        self._pending[f"{key}.token_ids"] = arrays.token_ids.to(torch.int64).contiguous()
-        self._pending[f"{key}.token_logprobs"] = arrays.token_logprobs.to(torch.float32).contiguous()
-        self._pending[f"{key}.topk_logprobs"] = arrays.topk_logprobs.to(torch.float32).contiguous()
-        record.extra["shard_key"] = key
-        self.records.append(record)
-        self._in_shard += 1
-        if self._in_shard >= self.shard_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        path = self.tmp / self.current_shard
-        save_file(self._pending, str(path), metadata={"format": FORMAT, "answers": str(self._in_shard)})
-        self._files[path.name] = path.stat().st_size
-        self._pending, self._in_shard = {}, 0
-        self._shard += 1
-
-    def close(self, manifest: dict[str, Any]) -> Path:
-        """Write the last shard, ``answers.jsonl`` and ``manifest.json``; move into place."""
-        self._flush()
-        with open(self.tmp / ANSWERS_FILE, "w", encoding="utf-8") as f:
-            for r in self.records:
-                f.write(r.to_json() + "\n")
-        self._files[ANSWERS_FILE] = (self.tmp / ANSWERS_FILE).stat().st_size
-        full = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **manifest,
-            "counts": counts(self.records),
-            "files": dict(sorted(self._files.items())),
-        }
-        (self.tmp / MANIFEST_FILE).write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
-        return self.out
 
 
 def counts(records: list[AnswerRecord]) -> dict[str, Any]:
