@@ -4,8 +4,10 @@ and a run whose driver was killed after finishing a unit resumes from its finish
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from safetensors import safe_open
 
 ray = pytest.importorskip("ray", reason="the extra 'ray' is not installed")
 
+import uhead_vllm  # noqa: E402
+from study_helpers import relabel  # noqa: E402
 from uhead_vllm.scaleout import NAMESPACE, RayOptions  # noqa: E402
 from uhead_vllm.scoring.recipe import GenerationRecipe  # noqa: E402
 from uhead_vllm.study import commands  # noqa: E402
@@ -154,3 +158,17 @@ def test_a_run_whose_driver_was_killed_resumes_from_its_finished_units(model, re
     # Its actor may still finish the unit it held before Ray reaps it: then that one is resumed too.
     assert set(finished) <= set(run["resumed_units"]) and len(run["resumed_units"]) < 4 and run["rows"] > 0
     _same_dataset(path, reference)
+
+
+def test_the_main_job_on_two_actors_answers_like_one_process(model, reference, cluster, tmp_path):
+    data = tmp_path / "relabelled"
+    shutil.copytree(reference, data)
+    relabel(data)
+    head = commands.train([data], tmp_path / "head", head="linear", level="step", progress=False)
+    questions = [f"What is {a} + {b}?" for a, b in [(2, 3), (17, 25), (9, 9), (40, 2), (6, 71)]]
+    kwargs = dict(model=str(model), batch_size=2, as_json=True, file=io.StringIO())
+    here = uhead_vllm.answer(questions, head, **kwargs)
+    there = uhead_vllm.answer(questions, head, ray=RayOptions(replicas=2), **kwargs)
+    assert [a.question for a in there] == questions
+    assert [a.to_dict() for a in there] == [a.to_dict() for a in here]
+    assert all(0.0 <= a.uncertainty <= 1.0 and any(s.uncertainty is not None for s in a.steps) for a in here)

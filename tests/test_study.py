@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import make_vllm_kwargs
+from study_helpers import relabel
 import uhead_vllm
 from uhead_vllm.heads import HeadMismatchError, load_head
 from uhead_vllm.models import model_identity
@@ -45,21 +46,6 @@ def tiny(tiny_models):
     yield model, gen, calls
     del gen.generate  # breaks the gen -> wrapper -> gen cycle, so the engine goes with its last reference
     calls.clear()
-
-
-def _relabel(path: Path) -> None:
-    """Alternate answer and step labels so both classes exist; keep the manifest consistent."""
-    lines = []
-    for i, line in enumerate((path / ANSWERS_FILE).read_text().splitlines()):
-        rec = json.loads(line)
-        rec["correct"] = i % 2 == 0
-        for k, step in enumerate(rec["steps"]):
-            step["label"] = (i + k) % 2
-        lines.append(json.dumps(rec))
-    (path / ANSWERS_FILE).write_text("\n".join(lines) + "\n")
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    manifest["files"][ANSWERS_FILE] = (path / ANSWERS_FILE).stat().st_size
-    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +98,7 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     import shutil
 
     shutil.copytree(out, data)
-    _relabel(data)
+    relabel(data)
     lin = commands.train([data], tmp_path / "lin", head="linear", level="step", progress=False)
     att = commands.train([data], tmp_path / "att", head="attention", level="joint", progress=False,
                          hyper={"max_epochs": 2, "d_model": 16, "dim_feedforward": 16, "nhead": 2})

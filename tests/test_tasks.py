@@ -175,3 +175,16 @@ def test_jsonl_and_polygraph_csv_roundtrip(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["question"] for r in rows] == [q.question for q in qs]
     assert [r["answer"] for r in rows] == [q.answer for q in qs]
+
+
+def test_question_file_is_graded_by_the_number_and_rejects_bad_lines(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"question": "What is 2 + 3?", "answer": "5"}\n\n{"id": "q7", "question": "6 * 7?", "answer": 42}\n')
+    qs = tasks.load_question_file(path)
+    assert [(q.task, q.qid, q.answer) for q in qs] == [("file", "mine-0", "5"), ("file", "q7", "42")]
+    assert tasks.grade(qs[0], "2 + 3 = 5\nAnswer: 5") == (True, 1.0)
+    assert tasks.grade(qs[1], "Answer: 42.0") == (True, 1.0)
+    assert tasks.grade(qs[1], "Answer: 41") == (False, 0.0)
+    path.write_text('{"question": "What is 2 + 3?"}\n')
+    with pytest.raises(ValueError, match="mine.jsonl:1: expected a JSON object with 'question' and 'answer'"):
+        tasks.load_question_file(path)

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--allow-other-weights", action="store_true",
                    help="accept a head trained on other weights of this model shape (fingerprint mismatch)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="questions per vLLM call (default: all at once; 64 with --ray)")
+    add_scaleout_args(p)
     add_common_args(p)
     p.set_defaults(func=cmd_answer)
     return parser
@@ -150,8 +153,10 @@ def cmd_answer(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         questions += [line.strip() for line in Path(args.file).read_text().splitlines() if line.strip()]
+    ray, engine = scaleout_options(args)
     answer(questions or list(EXAMPLE_QUESTIONS), args.head, model=args.model, max_tokens=args.max_tokens,
-           threads=args.threads, as_json=args.json, allow_other_weights=args.allow_other_weights)
+           threads=args.threads, as_json=args.json, allow_other_weights=args.allow_other_weights,
+           batch_size=args.batch_size, ray=ray, engine=engine)
     return 0
 
 

@@ -221,6 +221,29 @@ def extract_answer(text: str | None) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+#: Task name of questions read from a file (:func:`load_question_file`): graded by the number.
+FILE_TASK = "file"
+
+
+def load_question_file(path: str | Path) -> list[Question]:
+    """Questions with reference answers from a JSON-lines file, one ``{"question": ..., "answer":
+    ...}`` object per line (``"id"`` optional). Graded by numeric equality (no reasoning-gym), so
+    they need no extra and can be carried anywhere, e.g. to a GPU cluster."""
+    path = Path(path)
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(Question(FILE_TASK, str(d.get("id", f"{path.stem}-{i}")), str(d["question"]), str(d["answer"]), {}))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object with 'question' and 'answer' ({e})") from None
+    if not out:
+        raise ValueError(f"{path} holds no questions")
+    return out
+
+
 @lru_cache(maxsize=None)
 def _scorer(task: str) -> Callable[[str | None, dict], float]:
     reasoning_gym = require("reasoning_gym", "Grading with reasoning-gym's checkers (uhead_vllm.tasks)")
@@ -245,6 +268,9 @@ def grade(question: Question, response_text: str) -> tuple[bool, float]:
     extracted = extract_answer(response_text)
     if extracted is None:
         return False, 0.0
+    if question.task == FILE_TASK:
+        ok = _numeric_equal(extracted, question.answer)
+        return ok, float(ok)
     scorer = _scorer(question.task)  # a missing reasoning-gym (MissingExtraError) is not the scorer raising
     try:
         score = float(scorer(extracted, question.entry))

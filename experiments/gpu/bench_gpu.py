@@ -46,13 +46,14 @@ def configs(shape: str, n_layers: int) -> list[dict[str, Any]]:
     return out
 
 
-def engine_settings(shape: str) -> dict[str, Any]:
+def engine_settings(shape: str, tp: int = 1) -> dict[str, Any]:
     return dict(load_format="dummy", enable_prefix_caching=True, max_model_len=1024, max_num_seqs=256,
                 gpu_memory_utilization=0.85, kv_cache_memory_bytes=(16 if shape == "llama8b" else 8) << 30,
-                seed=0, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
+                seed=0, tensor_parallel_size=tp,
+                compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
 
 
-def child(spec: dict[str, Any], model: str, shape: str) -> dict[str, Any]:
+def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str, Any]:
     """Build one engine, warm it up, time every batch size REPS times."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
@@ -63,7 +64,7 @@ def child(spec: dict[str, Any], model: str, shape: str) -> dict[str, Any]:
     cfg = Config(spec["kind"], spec["mode"], "bfloat16" if spec["kind"] == "ours" else None)
     layers = tuple(spec["layers"]) or (0,)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    runner = Runner(cfg, model, "bfloat16", layers, engine_settings(shape), prompts, big)
+    runner = Runner(cfg, model, "bfloat16", layers, engine_settings(shape, tp), prompts, big)
     result: dict[str, Any] = {**spec, "load_seconds": runner.load_seconds, "batches": {}}
     runner.warmup(big)
     for b in BATCHES:
@@ -78,7 +79,8 @@ def child(spec: dict[str, Any], model: str, shape: str) -> dict[str, Any]:
 
 def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
     by = {r["name"]: r for r in results if "batches" in r}
-    lines = [f"# GPU capture throughput, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
+    tp = meta.get("tensor_parallel_size", 1)
+    lines = [f"# GPU capture throughput, {shape} shape{f', TP={tp}' if tp > 1 else ''} ({meta['gpu']}, vLLM {meta['vllm']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
              "| config | " + " | ".join(f"{b * N} seqs tok/s (x plain-graphs)" for b in BATCHES) + " |",
              "|---|" + "---|" * len(BATCHES)]
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True, help="folder with tokenizer.json (+ config)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -117,7 +120,7 @@ def main() -> None:
     if args.child:
         spec = json.loads(args.child)
         try:
-            res = child(spec, args.model, args.shape)
+            res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
             import traceback
 
@@ -139,6 +142,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
+            "tensor_parallel_size": args.tp, "gpus": torch.cuda.device_count(),
             "workload": {"batches_prompts": BATCHES, "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
                          "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
     results = []
@@ -149,7 +153,7 @@ def main() -> None:
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if spec["runner"] == "v2" else "0"}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "experiments.gpu.bench_gpu", "--shape", args.shape,
-                               "--tokenizer", args.tokenizer, "--out", str(out), "--model", str(model),
+                               "--tokenizer", args.tokenizer, "--out", str(out), "--model", str(model), "--tp", str(args.tp),
                                "--child", json.dumps(spec)], cwd=REPO, env=env, capture_output=True, text=True)
         path = out / f"child-{spec['name']}.json"
         res = json.loads(path.read_text()) if path.exists() else {**spec, "error": proc.stderr[-2000:]}
@@ -159,8 +163,9 @@ def main() -> None:
         print(f"[bench] {spec['name']}: {time.perf_counter() - t0:.0f} s "
               f"{'ERROR' if 'error' in res else {b: round(v['tok_per_s']) for b, v in res['batches'].items()}}",
               flush=True)
-        (out / f"bench-{args.shape}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        (out / f"bench-{args.shape}.md").write_text(report(results, args.shape, meta))
+        name = f"bench-{args.shape}" + (f"-tp{args.tp}" if args.tp > 1 else "")
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / f"{name}.md").write_text(report(results, args.shape, meta))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ QUESTIONS = [f"What is {a} + {b}?" for a, b in [(7, 8), (45, 38), (12, 19), (93,
                                                (31, 44), (18, 27), (250, 125), (9, 99), (14, 41), (72, 28)]]
 
 
-def engine_kwargs(mode: str) -> dict[str, Any]:
+def engine_kwargs(mode: str, tp: int = 1) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         enforce_eager=mode == "eager", enable_prefix_caching=True, max_model_len=1024,
         gpu_memory_utilization=0.12, kv_cache_memory_bytes=2 << 30, max_num_seqs=64, seed=0,
+        tensor_parallel_size=tp,
     )
     if mode == "graphs":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}
@@ -59,7 +60,7 @@ def relative_l2(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
 
 
-def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, ...]) -> dict[str, Any]:
+def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, ...], tp: int = 1) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from uhead_vllm.generation import VllmHiddenStatesGenerator, build_llm
@@ -68,7 +69,7 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
     extra = {"capture_dir": os.path.join(os.environ.get("TMPDIR", "/tmp"), f"extract-{os.getpid()}")} \
         if backend == "extract" else {}
     llm = build_llm(model_dir, layers, dtype=dtype, capture_dtype=dtype, backend=backend,
-                    **extra, **engine_kwargs(mode))
+                    **extra, **engine_kwargs(mode, tp))
     load_s = time.perf_counter() - t0
     gen = VllmHiddenStatesGenerator(llm, strict=True)
     samples, phases = [], {}
@@ -117,18 +118,19 @@ def main() -> None:
     ap.add_argument("--backend", choices=["aux", "extract"], default="aux")
     ap.add_argument("--dtype", default="float32", help="model dtype; falls back to bfloat16 if refused")
     ap.add_argument("--layers", default="0,15,30")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     layers = tuple(int(k) for k in args.layers.split(","))
     import vllm
 
-    result: dict[str, Any] = {"mode": args.mode, "backend": args.backend, "layers": list(layers),
+    result: dict[str, Any] = {"mode": args.mode, "backend": args.backend, "layers": list(layers), "tp": args.tp,
                               "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                               "vllm": vllm.__version__, "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("UHEAD_COMMIT", "")}
     for dtype in dict.fromkeys([args.dtype, "bfloat16"]):
         try:
-            result.update(dtype=dtype, **run(args.model, args.mode, args.backend, dtype, layers))
+            result.update(dtype=dtype, **run(args.model, args.mode, args.backend, dtype, layers, args.tp))
             result.pop("error", None)
             break
         except Exception as exc:  # noqa: BLE001  (recorded: fp32 may be refused by GPU attention)

@@ -134,23 +134,33 @@ def format_table(answers: Sequence[ScoredAnswer], threshold: float = 0.5) -> str
 
 def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, model: str | None = None,
            max_tokens: int | None = None, threads: int | None = 1, as_json: bool = False,
-           generator: Any = None, file: Any = None, allow_other_weights: bool = False) -> list[ScoredAnswer]:
+           generator: Any = None, file: Any = None, allow_other_weights: bool = False,
+           batch_size: int | None = None, ray: Any = None, engine: dict[str, Any] | None = None) -> list[ScoredAnswer]:
     """The main job: answer ``questions`` with the model and print per-step / per-answer P(wrong).
 
     ``head_dir``: a saved head (None: the shipped default head); ``model``: a local HF folder
     (None: the embedded model); ``generator``: an existing generator capturing the head's layers
-    (None: one is built with :func:`build_job_generator`). ``allow_other_weights`` accepts a head
-    trained on other weights of the same model shape."""
+    (None: one is built with :func:`build_job_generator`, ``engine`` replacing its settings).
+    ``allow_other_weights`` accepts a head trained on other weights of the same model shape.
+    ``batch_size``: questions per vLLM call (None: all in one); ``ray``: a
+    :class:`uhead_vllm.scaleout.RayOptions` to answer the batches on Ray actors (same answers as
+    here with the same ``batch_size``, default 64 then)."""
     from ..heads import load_head_for_model
     from ..models import resolve_model
     from ..runtime import set_threads
+    from .units import AnswerJob, answer_in_units
 
     check_questions(questions)
     set_threads(threads)
     path = resolve_model(model)
-    head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
-    gen = generator if generator is not None else build_job_generator(path, head.recipe.layers)
-    scored = answer_questions(list(questions), gen, head, max_tokens)
+    if ray is not None or batch_size is not None:
+        job = AnswerJob(str(path), None if head_dir is None else str(head_dir), list(questions), batch_size or 64,
+                        max_tokens, dict(engine or {}), allow_other_weights)
+        scored = answer_in_units(job, ray=ray, generator=generator)
+    else:
+        head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
+        gen = generator if generator is not None else build_job_generator(path, head.recipe.layers, **(engine or {}))
+        scored = answer_questions(list(questions), gen, head, max_tokens)
     file = file or sys.stdout
     if as_json:
         print(json.dumps([s.to_dict() for s in scored], indent=2), file=file)

@@ -3,6 +3,7 @@ compute logprob baselines, and write a :mod:`uhead_vllm.study.data` dataset dire
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -141,13 +142,21 @@ class CollectJob:
 def plan_job(out: str | Path, task_plans: Sequence[str], model: str | Path, layers: Sequence[int],
              recipe: GenerationRecipe, *, exclude: set[str] = frozenset(), batch_size: int = 64,
              engine: dict[str, Any] | None = None, about: dict[str, Any] | None = None) -> CollectJob:
-    """The job for ``task_plans`` (``task:n:seed`` each; questions in ``exclude`` skipped, none
+    """The job for ``task_plans`` (``task:n:seed`` each, or ``file:PATH`` for a JSON-lines question
+    file, see :func:`uhead_vllm.tasks.load_question_file`; questions in ``exclude`` skipped, none
     twice); the manifest will say what was selected per plan, plus ``about``."""
     questions: list[tasks.Question] = []
     selected = []
-    for plan in (TaskPlan.parse(t) for t in task_plans):
-        qs = select_questions(plan, set(exclude) | {q.question for q in questions})
-        selected.append({**asdict(plan), "selected": len(qs)})
+    for spec in task_plans:
+        taken = set(exclude) | {q.question for q in questions}
+        if spec.startswith(f"{tasks.FILE_TASK}:"):
+            path = spec.split(":", 1)[1]
+            qs = [q for q in tasks.load_question_file(path) if q.question not in taken]
+            selected.append({"task": tasks.FILE_TASK, "path": Path(path).name, "selected": len(qs)})
+        else:
+            plan = TaskPlan.parse(spec)
+            qs = select_questions(plan, taken)
+            selected.append({**asdict(plan), "selected": len(qs)})
         questions.extend(qs)
     return CollectJob(str(out), str(model), [int(k) for k in layers], recipe.to_dict(), [asdict(q) for q in questions],
                       batch_size, dict(engine or {}),
@@ -185,7 +194,7 @@ class CollectWorker:
         self.partial.write_unit(unit, answers)
         return {"unit": unit, "questions": len(questions), "answers": len(answers),
                 "correct": sum(r.correct for r, _ in answers), "rows": sum(r.n_rows for r, _ in answers),
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, "replica": os.getpid()}
 
 
 def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = None, overwrite: bool = False,
@@ -200,10 +209,12 @@ def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = 
     bar = tqdm(total=len(job.questions), initial=already, desc=f"collect {Path(job.out).name}", unit="question",
                disable=not progress)
     tally = {"answers": 0, "correct": 0, "rows": 0}
+    busy: dict[int, float] = {}  # seconds inside units, per replica process
 
     def done(unit: int, summary: dict[str, Any]) -> None:
         for key in tally:
             tally[key] += summary[key]
+        busy[summary["replica"]] = busy.get(summary["replica"], 0.0) + summary["seconds"]
         bar.update(summary["questions"])
         bar.set_postfix(acc=f"{tally['correct'] / max(tally['answers'], 1):.2f}")
 
@@ -221,7 +232,11 @@ def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = 
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
-    run.update(seconds=seconds, rows=tally["rows"], rows_per_s=tally["rows"] / seconds if seconds else 0.0)
+    # Steady state: rows over the busiest replica's time inside units (engine start excluded).
+    steady = max(busy.values(), default=0.0)
+    run.update(seconds=seconds, rows=tally["rows"], rows_per_s=tally["rows"] / seconds if seconds else 0.0,
+               replicas_used=len(busy), busiest_replica_s=steady,
+               rows_per_s_steady=tally["rows"] / steady if steady else 0.0)
     identity = model_identity(job.model)
     manifest = {
         "model_identity": identity,

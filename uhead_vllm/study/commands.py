@@ -296,7 +296,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("collect", help="generate labelled answers with hidden states into a dataset folder")
     p.add_argument("--out", required=True, help="dataset directory to write")
     p.add_argument("--tasks", nargs="+", required=True, metavar="TASK:N:SEED",
-                   help="e.g. basic_arithmetic:500:0 chain_sum:100:100000")
+                   help="e.g. basic_arithmetic:500:0 chain_sum:100:100000, or file:questions.jsonl "
+                        "(one {\"question\": ..., \"answer\": ...} per line, graded by the number)")
     p.add_argument("--model", default=None, help="HF folder, or 'default' for the embedded SmolLM2-135M-Instruct")
     p.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS), help="HF hidden-state indices")
     p.add_argument("--style", default="steps_plain", help="prompt style (steps_plain, explain, raw, steps, direct)")
