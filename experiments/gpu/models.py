@@ -10,10 +10,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-#: Llama shapes: SmolLM2-135M (the embedded model's) and Llama-3-8B's.
+#: Llama shapes: SmolLM2-135M (the embedded model's), a TP-divisible variant, and Llama-3-8B's.
 SHAPES: dict[str, dict] = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    # SmolLM2's depth with heads a tensor-parallel size of 2 divides (SmolLM2's 9 do not): TP tests.
+    "smollm2_tp": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }
