@@ -110,7 +110,7 @@ def test_compiled_mode_rows_match_hf(tiny_models):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode,name", [("eager", "qwen3"), ("compiled", "llama")])
+@pytest.mark.parametrize("mode,name", [("eager", "qwen3")])  # compiled: in-process test above; GPU TP=2 test
 def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     model = tiny_models[name]
     layers = layers_for(model)

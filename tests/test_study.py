@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from uhead_vllm.models import model_identity
 from uhead_vllm.study import commands
 from uhead_vllm.heads import default_head_dir
 from uhead_vllm.scoring.answer import ScoredAnswer
-from uhead_vllm.study.data import ANSWERS_FILE, MANIFEST_FILE, DatasetError, StudyDataset
+from uhead_vllm.study.data import MANIFEST_FILE, DatasetError, StudyDataset
 
 LAYERS = (1, 3)
 TASKS = ["basic_arithmetic:6:0", "chain_sum:4:100000"]

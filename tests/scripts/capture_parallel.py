@@ -1,10 +1,9 @@
-"""Capture with a multi-worker engine (tensor or pipeline parallel); save rows for the test.
+"""Capture with a tensor-parallel engine; save rows for the test.
 
-Usage: python capture_parallel.py MODEL OUT.safetensors LAYERS_JSON tp|pp
-- tp: TP=2 (workers bound to one core each), generate through VllmHiddenStatesGenerator and save
-  every sample's token ids and hidden rows plus each rank's capture status.
-- pp: PP=2 must be refused while the engine is built; the error text is saved.
-Only safetensors cross the process boundary (statuses and errors travel as JSON metadata).
+Usage: python capture_parallel.py MODEL OUT.safetensors LAYERS_JSON tp
+TP=2 (workers bound to one core each), generate through VllmHiddenStatesGenerator and save every
+sample's token ids and hidden rows plus each rank's capture status. Only safetensors cross the
+process boundary (statuses travel as JSON metadata).
 """
 
 from __future__ import annotations
@@ -27,14 +26,8 @@ def main() -> None:
     model, out, layers, mode = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     common = dict(enforce_eager=True, block_size=32, kv_cache_memory_bytes=32 << 20, max_model_len=256,
                   max_num_seqs=4, max_num_batched_tokens=64, seed=0, enable_prefix_caching=True)
-    if mode == "pp":
-        try:
-            build_llm(model, layers, pipeline_parallel_size=2, **common)
-        except Exception as exc:  # the worker's error reaches us wrapped by the engine core
-            save_file({"dummy": torch.zeros(1)}, out, metadata={"error": f"{type(exc).__name__}: {exc}"})
-            return
-        save_file({"dummy": torch.zeros(1)}, out, metadata={"error": ""})
-        return
+    if mode != "tp":
+        raise SystemExit(f"unknown mode {mode!r}")
     llm = build_llm(model, layers, tensor_parallel_size=2, **common)
     statuses = [json.loads(s) for s in llm.collective_rpc("uhead_status")]
     gen = VllmHiddenStatesGenerator(llm)

@@ -24,6 +24,12 @@ _STATE_ATTR = "_uhead_recorder"
 _ROUTE_ATTR = "_uhead_route"
 
 
+#: Also raised by ``build_llm`` before any process starts; here for engines built another way.
+PIPELINE_PARALLEL_REFUSAL = (
+    "uhead_vllm capture does not support pipeline parallelism yet: each rank holds only a slice of "
+    "the layers and partial rows would be returned. Use tensor parallelism or one worker.")
+
+
 def _install(runner: Any) -> None:
     cfg = vm.additional_config(runner).get(CAPTURE_KEY)
     if cfg is None:
@@ -51,11 +57,7 @@ def _install(runner: Any) -> None:
             "after the last layer, before the final norm)"
         )
     if vm.pp_world_size() > 1:
-        raise NotImplementedError(
-            "uhead_vllm capture does not support pipeline parallelism yet: each rank holds only a "
-            "slice of the layers and partial rows would be returned. Use tensor parallelism or one "
-            "worker."
-        )
+        raise NotImplementedError(PIPELINE_PARALLEL_REFUSAL)
     if vm.uses_aux_outputs_already(runner):
         raise NotImplementedError(
             "uhead_vllm capture cannot share aux hidden states with EAGLE-3 / extract_hidden_states "

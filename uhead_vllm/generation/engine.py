@@ -40,7 +40,11 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     """
     from vllm import LLM
 
+    from ..capture.extension import PIPELINE_PARALLEL_REFUSAL
+
     check_vllm_version()
+    if int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1:
+        raise NotImplementedError(PIPELINE_PARALLEL_REFUSAL)
     kwargs = get_backend(backend).engine_kwargs(layers, capture_dtype=capture_dtype,
                                                 max_capture_bytes=max_capture_bytes, capture_dir=capture_dir)
     extra = llm_kwargs.pop("additional_config", None) or {}
