@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def main() -> None:
     model = embedded_model_path()
     recipe = GenerationRecipe("steps_plain", args.max_tokens, 0.0, 10, "line", 0, 1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_ray_"))
+    load_before = os.getloadavg()[0]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     runs, paths = {}, {}
     try:
@@ -80,7 +82,8 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     meta = {"commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "uhead_vllm") else ""),
             "command": "python -m experiments.scaleout.bench_ray " + " ".join(sys.argv[1:]),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": f"{__import__('os').cpu_count()} CPU cores",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": f"{os.cpu_count()} CPU cores",
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "questions": args.questions, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
             "model": "embedded SmolLM2-135M-Instruct, fp32 CPU engine, layers " + str(list(DEFAULT_LAYERS))}
     scaling = {"steady": runs[2]["rows_per_s_steady"] / runs[1]["rows_per_s_steady"],
@@ -92,7 +95,9 @@ def main() -> None:
     lines = ["# collect on Ray: 1 vs 2 engine actors (1 CPU each)", "",
              f"commit `{meta['commit']}`, `{meta['command']}`, {meta['time']}; {meta['machine']}; {meta['model']}; "
              f"{args.questions} basic_arithmetic questions, greedy, max {args.max_tokens} tokens, "
-             f"{args.batch_size} questions per unit.", "",
+             f"{args.batch_size} questions per unit. 1-min load average before/after: "
+             f"{meta['load_average_1min']['before']:.2f}/{meta['load_average_1min']['after']:.2f} "
+             "(other work shares this VM's 2 cores).", "",
              "| actors | units | rows | wall (incl. engine start) | rows/s wall | busiest actor in units | rows/s steady |",
              "|---|---|---|---|---|---|---|"]
     for r in runs.values():
