@@ -41,11 +41,9 @@ class Placer:
         self._error: str | None = None
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
-               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray,
-               copies: list[tuple[int, int, int, int]] = ()) -> None:
-        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host);
-        ``copies``: ``(first row, end row, first, limit)``, rows also written to a sibling's slot."""
-        item = (ready, dest, hidden, positions, chunk_first, chunk_capacity, lens, copies)
+               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
+        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host)."""
+        item = (ready, dest, hidden, positions, chunk_first, chunk_capacity, lens)
         if ready is None and self._thread is None:
             self._place(item)
             return
@@ -69,13 +67,11 @@ class Placer:
                 self._queue.task_done()
 
     def _place(self, item: tuple) -> None:
-        ready, dest, hidden, positions, chunk_first, chunk_capacity, lens, copies = item
+        ready, dest, hidden, positions, chunk_first, chunk_capacity, lens = item
         try:
             if ready is not None:
                 ready.synchronize()
             place_step(dest, hidden, positions, chunk_first, chunk_capacity, lens)
-            for a, b, first, limit in copies:
-                place_step(dest, hidden[a:b], positions[a:b], np.array([first]), np.array([limit]), np.array([b - a]))
         except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
             if self._error is None:
                 self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"

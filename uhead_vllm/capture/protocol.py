@@ -149,17 +149,12 @@ class RowDestination:
 
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
-    #: ``copies[tag] = [(first, limit), ...]``: the tag's rows at positions below ``limit`` also go
-    #: to ``buffer[first + position]`` — the slots of sibling samples of the same prompt, whose
-    #: prompt rows vLLM takes from its prefix cache instead of computing them again.
-    copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3:
             raise ValueError("RowDestination.buffer must be a [rows, layers, hidden] host tensor")
-        spans = list(self.slots.values()) + [c for cs in self.copies.values() for c in cs]
-        end = max((a + n for a, n in spans), default=0)
-        if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in spans):
+        end = max((a + n for a, n in self.slots.values()), default=0)
+        if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
 
 
@@ -177,12 +172,10 @@ class SharedDestination:
     dtype: str
     slots: dict[int, tuple[int, int]]
     file_id: tuple[int, int] = (0, 0)  # (device, inode) of the file: a worker on another host has none
-    copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
                            "slots": {str(t): list(s) for t, s in self.slots.items()},
-                           "copies": {str(t): [list(c) for c in cs] for t, cs in self.copies.items()},
                            "file_id": list(self.file_id)})
 
     @classmethod
@@ -192,8 +185,7 @@ class SharedDestination:
             raise ValueError(f"not a shared row destination: {text[:200]!r}")
         return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
-                   tuple(int(x) for x in d.get("file_id", (0, 0))),
-                   {int(t): [(int(a), int(n)) for a, n in cs] for t, cs in d.get("copies", {}).items()})
+                   tuple(int(x) for x in d.get("file_id", (0, 0))))
 
     def open(self) -> RowDestination:
         """Map the engine side's file as the destination buffer. Raises ``FileNotFoundError``
@@ -207,7 +199,7 @@ class SharedDestination:
             raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
         rows, layers, hidden = self.shape
         buffer = torch.from_file(self.path, shared=True, size=rows * layers * hidden, dtype=_DTYPES[self.dtype])
-        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots), dict(self.copies))
+        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots))
 
 
 def encode_rows(rows: CapturedRows) -> bytes:

@@ -55,7 +55,6 @@ class RowRecorder:
     _copied: object = None  # CUDA event after the last device-to-host copy
     destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
-    _rows_seen: dict[int, int] = field(default_factory=dict)  # per tag, this generation (for copies)
 
     def __post_init__(self) -> None:
         # Map requested layer order onto the (sorted) aux output order.
@@ -137,31 +136,12 @@ class RowRecorder:
             first = np.asarray([a for a, _ in slots], dtype=np.int64)
             capacity = np.asarray([n for _, n in slots], dtype=np.int64)
             ready = self._copied if hidden.is_pinned() else None
-            self._placer.submit(ready, self.destination, hidden, meta[0], first, capacity, lens,
-                                self._copies(chunk_tags, lens))
+            self._placer.submit(ready, self.destination, hidden, meta[0], first, capacity, lens)
             hidden, new_bytes = None, 0
         self.steps.append(_Step(tags, np.asarray(chunk_samples, dtype=np.int64), lens, hidden, meta))
         self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
-
-    def _copies(self, chunk_tags: list[int], lens: np.ndarray) -> list[tuple[int, int, int, int]]:
-        """``(first row, end row, first, limit)`` of this step's chunks whose rows also go to a
-        sibling's slot (:attr:`RowDestination.copies`). A tag's rows already recorded are a lower
-        bound of its chunk's first position, so chunks past every limit (decode steps) are skipped
-        without looking at the positions, which may still be on their way to the host."""
-        copies = self.destination.copies
-        if not copies:
-            return []
-        out, row = [], 0
-        for tag, n in zip(chunk_tags, lens.tolist()):
-            seen = self._rows_seen.get(tag, 0)
-            for first, limit in copies.get(tag, ()):
-                if seen < limit:
-                    out.append((row, row + n, first, limit))
-            self._rows_seen[tag] = seen + n
-            row += n
-        return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Host copy of a freshly gathered tensor; on a GPU asynchronous into pinned memory."""
@@ -180,7 +160,6 @@ class RowRecorder:
         if self.steps:
             raise RuntimeError("rows of an earlier generation are still held: take them first")
         self.destination = destination
-        self._rows_seen = {}
 
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""

@@ -77,7 +77,6 @@ class GenerationStats:
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
     forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
     rows_from_store: int = 0
-    rows_from_siblings: int = 0  # prefix-cached prompt rows the worker also wrote into a sibling sample's slot
     rows_recomputed: int = 0
     recompute_requests: int = 0
     store_evictions: int = 0
@@ -286,7 +285,7 @@ class VllmHiddenStatesGenerator:
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
-        stats.rows_from_siblings = self._place_first_pass(seqs, list(owners), captured, destination)
+        self._place_first_pass(seqs, list(owners), captured, destination)
         if last:
             # The final token is never forwarded in context during generation; a row at its
             # position can only be a speculative draft's (possibly after a rejected token), so
@@ -295,7 +294,7 @@ class VllmHiddenStatesGenerator:
                 if q.last:
                     q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
-        stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_siblings - stats.capture_missed_rows)
+        stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
         try:
@@ -363,7 +362,7 @@ class VllmHiddenStatesGenerator:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
         into while vLLM generates (see :class:`RowDestination`). None when that room would exceed
         half the machine's memory even as untouched address space, or the backend cannot."""
-        slots, first, siblings = {}, 0, {}
+        slots, first = {}, 0
         for tag, params in zip(owners, child_params):
             vllm_input, text = rendered[owners[tag][0]]
             if isinstance(vllm_input, dict):
@@ -374,21 +373,14 @@ class VllmHiddenStatesGenerator:
             capacity = min(n_prompt + new, self.max_model_len)
             slots[tag] = (first, capacity)
             first += capacity
-            # vLLM computes a prompt's full blocks once (whichever sample comes first) and serves
-            # them to the other samples from its prefix cache (never the block holding the last
-            # prompt token): the rows of those positions are written into every sample's slot.
-            cached = min((n_prompt - 1) // self.block_size * self.block_size, capacity)
-            siblings.setdefault(owners[tag][0], []).append((tag, cached))
-        copies = {tag: [(slots[other][0], limit) for other, _ in group if other != tag]
-                  for group in siblings.values() if len(group) > 1 for tag, limit in group if limit > 0}
         dtype = self.client.settings.torch_dtype
         row_bytes = len(self.layers) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
         if first * row_bytes > _physical_memory() // 2:
             return None
-        return self.client.place_into(slots, (first, len(self.layers), self.hidden_size), copies)
+        return self.client.place_into(slots, (first, len(self.layers), self.hidden_size))
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
-                          destination: RowDestination | None) -> int:
+                          destination: RowDestination | None) -> None:
         """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
 
         A captured row counts only where its tag is ours, its position lies inside the sequence
@@ -396,8 +388,7 @@ class VllmHiddenStatesGenerator:
         after a rejected draft are forwarded again, and the last row forwarded at a position is
         the one that counts. Rows the worker already wrote into ``destination`` are only checked;
         otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
-        ``rows`` / ``valid`` are views of the shared buffers. Returns the rows that count only
-        because the worker copied them from a sibling sample (see :meth:`_copied_rows_valid`).
+        ``rows`` / ``valid`` are views of the shared buffers.
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
@@ -416,7 +407,6 @@ class VllmHiddenStatesGenerator:
             first, capacity = cum[:-1], lens
         with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)
-        from_siblings = 0
         if captured.num_rows and total:
             seq_tags = torch.tensor(tags, dtype=torch.int64)
             order = torch.argsort(seq_tags)
@@ -443,10 +433,6 @@ class VllmHiddenStatesGenerator:
                 else:
                     buffer[hit] = captured.hidden[last[hit]]
             valid = hit
-            if destination is not None and destination.copies:
-                own = int(valid.sum())
-                self._copied_rows_valid(seqs, tags, destination, valid, cum)
-                from_siblings = int(valid.sum()) - own
         for q, a, n, b, c in zip(seqs, first.tolist(), lens.tolist(), cum[:-1].tolist(), capacity.tolist()):
             q.valid = valid[b : b + n]
             if n <= c:
@@ -455,31 +441,6 @@ class VllmHiddenStatesGenerator:
                 with torch.inference_mode(False):
                     q.rows = torch.empty((n,) + tuple(buffer.shape[1:]), dtype=buffer.dtype)
                 q.rows[:c] = buffer[a : a + c]
-        return from_siblings
-
-    @staticmethod
-    def _copied_rows_valid(seqs: list[_Seq], tags: list[int], destination: RowDestination, valid: torch.Tensor,
-                           cum: torch.Tensor) -> None:
-        """Rows the worker also wrote into siblings' slots (:attr:`RowDestination.copies`) count
-        where the source's own row counts and both sequences hold the same token there (a prompt
-        shared by its samples). Where two samples both computed a position, the slot holds one of
-        two rows of the same token at the same position: either is exact."""
-        index = {t: i for i, t in enumerate(tags)}
-        tag_at = {first: t for t, (first, _) in destination.slots.items()}
-        own = valid.clone()
-        for tag, targets in destination.copies.items():
-            i = index.get(tag)
-            if i is None:
-                continue
-            src, a = seqs[i], int(cum[i])
-            for first, limit in targets:
-                j = index.get(tag_at.get(first, -1))
-                if j is None:
-                    continue
-                dst, b = seqs[j], int(cum[j])
-                n = min(limit, src.num_rows, dst.num_rows)
-                if n > 0:
-                    valid[b : b + n] |= own[a : a + n] & (src.expected[:n] == dst.expected[:n])
 
     @staticmethod
     def _occupied(seqs: list[_Seq]) -> dict[int, int]:

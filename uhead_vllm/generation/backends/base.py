@@ -30,11 +30,9 @@ class CaptureClient(Protocol):
 
     settings: CaptureSettings
 
-    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   copies: dict[int, list[tuple[int, int]]] | None = None) -> RowDestination | None:
+    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int]) -> RowDestination | None:
         """A buffer the worker writes the next generation's rows into while it runs (``slots``:
-        request tag -> first row, capacity; ``copies``: prompt rows also written to siblings'
-        slots, see :class:`RowDestination`); None where this backend or engine cannot (the rows
+        request tag -> first row, capacity); None where this backend or engine cannot (the rows
         then come back with ``fetch``)."""
 
     def fetch(self) -> CapturedRows: ...

@@ -159,7 +159,7 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple, copies: dict | None = None) -> None:
+    def place_into(self, slots: dict, shape: tuple) -> None:
         """Rows of this backend arrive as files after the generation: never placed while it runs."""
         return None
 
