@@ -83,7 +83,8 @@ def test_mixed_batch_steering_matches_hf_rows_and_greedy_tokens(gen, model_path)
     prompt = SHARED + "3 * 4 ="
     plain = gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))  # warms the prefix cache
     a = [{"point": "mlp_out", "layer": 1, "vector": _vec(1), "scale": 3.0},
-         {"point": "resid_post", "layer": 2, "vector": _vec(2), "scale": 2.0}]
+         {"point": "resid_post", "layer": 2, "vector": _vec(2), "scale": 2.0},
+         {"point": "mlp_out", "layer": 1, "vector": _vec(6), "tokens": "generated"}]  # same site, other tokens
     c = [{"point": "pre_attn", "layer": 0, "vector": _vec(3), "scale": 4.0, "tokens": "generated"},
          {"point": "attn_out", "layer": 3, "vector": _vec(4), "scale": 2.0},
          {"point": "mlp_in", "layer": 3, "vector": _vec(5), "scale": 2.0, "tokens": "generated"}]

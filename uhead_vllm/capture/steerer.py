@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..adapters import ScheduledStep, StepOutputs
@@ -48,32 +49,52 @@ class Steerer:
                 continue
             if spec is not None:
                 n = step.prompt_lens.get(rid, 0)
-                self._requests[rid] = _Steered(n, [
-                    ((t.point, t.layer), t.first_position(n),
-                     t.scale * torch.tensor(t.vector, dtype=torch.float32)) for t in spec.terms])
+                merged: dict[tuple[Site, int], torch.Tensor] = {}  # terms at one site from one position add up
+                for t in spec.terms:
+                    key = ((t.point, t.layer), t.first_position(n))
+                    v = t.scale * torch.tensor(t.vector, dtype=torch.float32)
+                    merged[key] = merged[key] + v if key in merged else v
+                self._requests[rid] = _Steered(n, [(site, first, v) for (site, first), v in merged.items()])
 
     def deltas(self, step: StepOutputs, dtype: torch.dtype, device: torch.device) -> dict[Site, torch.Tensor]:
-        """This forward's ``[T, H]`` delta per steered site (empty when no request steers)."""
-        out: dict[Site, torch.Tensor] = {}
+        """This forward's ``[T, H]`` delta per steered site (empty when no request steers).
+
+        Host bookkeeping is numpy slices per request; each site then costs one gather of its
+        vectors and one multiply, so a batch of many steered requests stays cheap per step.
+        """
         if not self._requests:
-            return out
+            return {}
         qsl = step.query_start_loc
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions
+        T = positions.shape[0]
+        planes: dict[tuple[Site, int], tuple[np.ndarray, np.ndarray, list[torch.Tensor]]] = {}
         for i, rid in enumerate(step.req_ids):
             req = self._requests.get(rid)
             a, b = int(qsl[i]), int(qsl[i + 1])
             if req is None or b <= a:
                 continue
-            pos = positions[a:b].cpu()
+            seen: dict[Site, int] = {}
             for site, first, vector in req.terms:
-                rows = torch.nonzero(pos >= first).flatten() + a
-                if rows.numel() == 0:
-                    continue
-                delta = out.get(site)
-                if delta is None:
-                    delta = out[site] = torch.zeros(positions.shape[0], self.hidden_size, dtype=torch.float32)
-                delta[rows] += vector
+                j = seen[site] = seen.get(site, -1) + 1  # a second term at a site (other first position)
+                plane = planes.get((site, j))
+                if plane is None:
+                    plane = planes[(site, j)] = (np.full(T, _NEVER, dtype=np.int64), np.zeros(T, dtype=np.int64), [])
+                plane[0][a:b] = first
+                plane[1][a:b] = len(plane[2])
+                plane[2].append(vector)
+        if not planes:
+            return {}
+        pos = positions.cpu().numpy()
+        out: dict[Site, torch.Tensor] = {}
+        for (site, _), (first, index, vectors) in planes.items():
+            on = torch.from_numpy(pos >= first).unsqueeze(1)
+            delta = torch.stack(vectors)[torch.from_numpy(index)] * on
+            out[site] = delta if site not in out else out[site] + delta
         return {site: d.to(device=device, dtype=dtype) for site, d in out.items()}
+
+
+#: "never steered" as a first position
+_NEVER = np.iinfo(np.int64).max
 
 
 __all__ = ["Steerer"]
