@@ -150,4 +150,4 @@ def decoder_sublayers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tor
 
 def residual_streams(runner: Any) -> int:
     """How many parallel residual streams the model keeps (DeepSeek-V4 mHC: ``hc_mult``, else 1)."""
-    return int(getattr(runner.model_config.hf_config, "hc_mult", 1) or 1)
+    return int(getattr(runner.model_config.hf_text_config, "hc_mult", 1) or 1)
