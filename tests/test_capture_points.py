@@ -144,20 +144,31 @@ def test_spec_and_point_parsing():
         parse_sites([("mlp_in", 1), "mlp_in.1"])
 
 
-def test_qwen3_points_match_hf_and_steering_needs_an_engine_built_for_it(tiny_models):
+def test_qwen3_points_and_steering_match_hf(tiny_models):
     path = str(tiny_models["qwen3"])
     points = (("attn_in", 1), ("attn_out", 2), ("mlp_in", 0), ("mlp_out", 2))
-    llm = build_llm(path, (0, 3), points=points, **make_vllm_kwargs())
+    llm = build_llm(path, (0, 3), points=points, steering=True, **make_vllm_kwargs())
     g = VllmHiddenStatesGenerator(llm)
-    res = g.generate(["9 - 2 = 7 and", "red cat"], SamplingParams(max_tokens=5, temperature=0.0))
-    for per in res.hidden_states:
-        ids = per[0].token_ids
-        ref, _ = hf_point_run(path, ids, (0, 3), points)
-        assert relative_error(per[0].hidden, ref[: len(ids) - 1]) < FP32_TOL
-    with pytest.raises(SteeringError, match="steering=True"):
-        g.generate(["1 +"], SamplingParams(max_tokens=2, extra_args={
-            "uhead_steer": [{"point": "mlp_out", "layer": 0, "vector": [0.0] * H}]}))
+    steer = [{"point": "attn_out", "layer": 1, "vector": _vec(7), "scale": 3.0},
+             {"point": "resid_post", "layer": 0, "vector": _vec(8), "tokens": "generated"}]
+    greedy = dict(max_tokens=5, temperature=0.0)
+    res = g.generate(["9 - 2 = 7 and", "red cat"],
+                     [SamplingParams(**greedy), SamplingParams(**greedy, extra_args={"uhead_steer": steer})])
+    for per, spec in zip(res.hidden_states, (None, steer)):
+        s = per[0]
+        ref, logits = hf_point_run(path, s.token_ids, (0, 3), points, _steer_terms(spec, s.prompt_len) if spec else ())
+        assert relative_error(s.hidden, ref[: len(s.token_ids) - 1]) < FP32_TOL
+        assert logits[s.prompt_len - 1 : len(s.token_ids) - 1].argmax(-1).tolist() == s.output_token_ids
     del g, llm
+    gc.collect()
+
+
+def test_steering_needs_an_engine_built_for_it(model_path):
+    llm = build_llm(model_path, (0,), **make_vllm_kwargs(kv_cache_memory_bytes=16 << 20))
+    with pytest.raises(SteeringError, match="steering=True"):
+        VllmHiddenStatesGenerator(llm).generate(["1 +"], SamplingParams(max_tokens=2, extra_args={
+            "uhead_steer": [{"point": "mlp_out", "layer": 0, "vector": [0.0] * H}]}))
+    del llm
     gc.collect()
 
 
