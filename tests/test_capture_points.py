@@ -108,6 +108,11 @@ def test_mixed_batch_steering_matches_hf_rows_and_greedy_tokens(gen, model_path)
     col = len(LAYERS) + POINTS.index(("attn_in", 3))
     assert relative_error(samples[2].hidden[:n, col], base.hidden[:n, col]) < FP32_TOL
     assert relative_error(samples[2].hidden[n:, col], base.hidden[n:, col]) > 0.05
+    # Multi-step with "generated" steering: the next step (a longer prompt) continues c's trajectory
+    # and steers from its own prompt end on.
+    step2 = gen.generate([samples[2].prompt + samples[2].text], params[2]).hidden_states[0][0]
+    assert [st.text for st in step2.steps] == [samples[2].text, step2.text]
+    _check(model_path, step2, _steer_terms(c, step2.prompt_len))
     # Same steering again: vLLM's (salted) prefix cache and the salted row store serve it exactly;
     # then with the store emptied, the rows are recomputed with the same steering.
     again = gen.generate([prompt], params[0])

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ..adapters import engine as engine_internals
+from ..capture.points import ALIASES
 from ..capture.protocol import CapturedRows, RequestTag, RowDestination
 from ..capture.steering import STEER_KEY, SteerSpec, SteerSpecError
 from ..errors import InputError, UheadError
@@ -142,8 +143,6 @@ class SampleHiddenStates:
 
     def point(self, name: str, layer: int) -> torch.Tensor:
         """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``."""
-        from ..capture.points import ALIASES
-
         site = (ALIASES.get(name, name), int(layer))
         if site not in self.points:
             raise KeyError(f"point {name}.{layer} was not captured; captured points: {list(self.points)}")
@@ -176,6 +175,7 @@ class _Seq:
     last_row_missing: bool = False  # asked for, but the sequence fills max_model_len
     salt: str = ""  # steering digest: vLLM cache_salt, row-store and step-cache key prefix ("" = plain)
     steer_args: dict = field(default_factory=dict)  # the resolved steering spec, for a recompute
+    step_salt: str = ""  # digest of the spec as given: the step-cache key prefix ("" = plain)
 
 
 class VllmHiddenStatesGenerator:
@@ -247,14 +247,16 @@ class VllmHiddenStatesGenerator:
         child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample).to_extra_args()}
         return child, tag
 
-    def _steering(self, sp: Any, rendered: tuple[Any, str], index: int) -> tuple[Any, str, dict]:
-        """The vLLM input, salt and resolved ``extra_args`` entry of prompt ``index``'s steering
-        (the input unchanged, "" and {} when it does not steer).
+    def _steering(self, sp: Any, rendered: tuple[Any, str], index: int) -> tuple[Any, str, dict, str]:
+        """The vLLM input, salt, resolved ``extra_args`` entry and step-cache salt of prompt
+        ``index``'s steering (the input unchanged, "", {} and "" when it does not steer).
 
-        A steered request gets vLLM's ``cache_salt`` = the spec's digest, and the row store and
-        step cache key its rows by it, so steered KV blocks and rows serve only requests steered
-        the same way. ``"generated"`` is resolved to the prompt length here, so the spec names
-        the same positions when the whole sequence is recomputed as a prompt.
+        ``"generated"`` is resolved to the prompt length here, so the spec names the same
+        positions when the whole sequence is recomputed as a prompt. A steered request gets vLLM's
+        ``cache_salt`` = the resolved spec's digest, and the row store keys its rows by it, so
+        steered KV blocks and rows serve only requests steered the same way. The step cache is
+        keyed by the spec as given: the next step of a "generated" trajectory has a longer prompt
+        (another resolved spec) and must still find its parent.
         """
         try:
             spec = SteerSpec.from_extra_args(sp.extra_args)
@@ -262,7 +264,7 @@ class VllmHiddenStatesGenerator:
             raise SteeringError(f"prompt {index}: {exc}") from None
         vllm_input, text = rendered
         if spec is None:
-            return vllm_input, "", {}
+            return vllm_input, "", {}, ""
         if not getattr(self.client.settings, "steering", False):
             raise SteeringError(f"prompt {index} asks for steering ('{STEER_KEY}'), but this engine was built "
                                 "without it: build_llm(..., steering=True, enforce_eager=True)")
@@ -272,9 +274,10 @@ class VllmHiddenStatesGenerator:
             raise SteeringError(f"prompt {index}: {exc}") from None
         if not isinstance(vllm_input, dict):  # token ids, so "generated" starts where vLLM's prompt ends
             vllm_input = {"prompt_token_ids": self.tokenizer(text)["input_ids"]}
+        step_salt = spec.digest()
         spec = spec.resolved(len(vllm_input["prompt_token_ids"]))
         salt = spec.digest()
-        return {**vllm_input, "cache_salt": salt}, salt, spec.to_extra_args()
+        return {**vllm_input, "cache_salt": salt}, salt, spec.to_extra_args(), step_salt
 
     # ------------------------------------------------------------------ main entry
     def generate(
@@ -316,12 +319,12 @@ class VllmHiddenStatesGenerator:
         for i, (rendered_i, sp) in enumerate(zip(rendered, params)):
             if sp.n < 1:
                 raise ValueError("SamplingParams.n must be >= 1")
-            vllm_input, salt, steer_args = self._steering(sp, rendered_i, i)
+            vllm_input, salt, steer_args, step_salt = self._steering(sp, rendered_i, i)
             for s in range(sp.n):
                 child, tag = self._tagged(sp, s)
                 child.extra_args.update(steer_args)
                 owners[tag] = (i, s)
-                steering[tag] = (salt, steer_args)
+                steering[tag] = (salt, steer_args, step_salt)
                 inputs.append(vllm_input)
                 child_params.append(child)
 
@@ -407,7 +410,7 @@ class VllmHiddenStatesGenerator:
             num_rows = len(expected) - (0 if last and not full else 1)
             seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
                              out, ro, last=last and not full, last_row_missing=full,
-                             salt=steering[tag][0], steer_args=steering[tag][1]))
+                             salt=steering[tag][0], steer_args=steering[tag][1], step_salt=steering[tag][2]))
         return seqs
 
     def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
@@ -598,4 +601,4 @@ class VllmHiddenStatesGenerator:
 def _step_key(q: _Seq) -> str:
     """Step-cache key: the prompt text, behind the steering digest for a steered request (so a
     steered candidate never continues a plain trajectory of the same text, or the reverse)."""
-    return f"\x00uhead-steer:{q.salt}\x00{q.prompt}" if q.salt else q.prompt
+    return f"\x00uhead-steer:{q.step_salt}\x00{q.prompt}" if q.step_salt else q.prompt
