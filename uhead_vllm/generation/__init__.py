@@ -9,11 +9,11 @@ from .generator import (
     HiddenStatesGeneration,
     MissingRowsError,
     SampleHiddenStates,
-    SteeringError,
     VllmHiddenStatesGenerator,
 )
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
+from .steering import SteeringError
 
 __all__ = [
     "BACKENDS", "CaptureClient", "CaptureNotInstalledError", "open_capture_client", "build_llm", "build_generator",

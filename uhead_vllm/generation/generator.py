@@ -22,12 +22,12 @@ import torch
 from ..adapters import engine as engine_internals
 from ..capture.points import ALIASES
 from ..capture.protocol import CapturedRows, RequestTag, RowDestination
-from ..capture.steering import STEER_KEY, SteerSpec, SteerSpecError
-from ..errors import InputError, UheadError
+from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
 from .prefix_store import PrefixRowStore, buffer_address, held_bytes
 from .step_cache import StepCache, StepRecord
+from .steering import SteeredRequest, steer_request, step_key
 
 PromptLike = str | list[dict] | dict
 
@@ -61,10 +61,6 @@ class CaptureError(UheadError, RuntimeError):
     def __init__(self, message: str, outputs: list | None = None):
         super().__init__(message)
         self.outputs = outputs
-
-
-class SteeringError(InputError, ValueError):
-    """A request's ``uhead_steer`` spec is malformed, or the engine was built without steering."""
 
 
 class MissingRowsError(UheadError, RuntimeError):
@@ -173,7 +169,7 @@ class _Seq:
     request_output: Any
     last: bool = False  # the last token's row is computed (asked for, and the sequence can be forwarded)
     last_row_missing: bool = False  # asked for, but the sequence fills max_model_len
-    salt: str = ""  # steering digest: vLLM cache_salt, row-store and step-cache key prefix ("" = plain)
+    salt: str = ""  # resolved steering digest: vLLM cache_salt and row-store key prefix ("" = plain)
     steer_args: dict = field(default_factory=dict)  # the resolved steering spec, for a recompute
     step_salt: str = ""  # digest of the spec as given: the step-cache key prefix ("" = plain)
 
@@ -247,37 +243,13 @@ class VllmHiddenStatesGenerator:
         child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample).to_extra_args()}
         return child, tag
 
-    def _steering(self, sp: Any, rendered: tuple[Any, str], index: int) -> tuple[Any, str, dict, str]:
-        """The vLLM input, salt, resolved ``extra_args`` entry and step-cache salt of prompt
-        ``index``'s steering (the input unchanged, "", {} and "" when it does not steer).
-
-        ``"generated"`` is resolved to the prompt length here, so the spec names the same
-        positions when the whole sequence is recomputed as a prompt. A steered request gets vLLM's
-        ``cache_salt`` = the resolved spec's digest, and the row store keys its rows by it, so
-        steered KV blocks and rows serve only requests steered the same way. The step cache is
-        keyed by the spec as given: the next step of a "generated" trajectory has a longer prompt
-        (another resolved spec) and must still find its parent.
-        """
-        try:
-            spec = SteerSpec.from_extra_args(sp.extra_args)
-        except SteerSpecError as exc:
-            raise SteeringError(f"prompt {index}: {exc}") from None
-        vllm_input, text = rendered
-        if spec is None:
-            return vllm_input, "", {}, ""
-        if not getattr(self.client.settings, "steering", False):
-            raise SteeringError(f"prompt {index} asks for steering ('{STEER_KEY}'), but this engine was built "
-                                "without it: build_llm(..., steering=True, enforce_eager=True)")
-        try:
-            spec.check(engine_internals.num_decoder_layers(self.llm), self.hidden_size)
-        except SteerSpecError as exc:
-            raise SteeringError(f"prompt {index}: {exc}") from None
-        if not isinstance(vllm_input, dict):  # token ids, so "generated" starts where vLLM's prompt ends
-            vllm_input = {"prompt_token_ids": self.tokenizer(text)["input_ids"]}
-        step_salt = spec.digest()
-        spec = spec.resolved(len(vllm_input["prompt_token_ids"]))
-        salt = spec.digest()
-        return {**vllm_input, "cache_salt": salt}, salt, spec.to_extra_args(), step_salt
+    def _steering(self, sp: Any, rendered: tuple[Any, str], index: int) -> SteeredRequest:
+        """Prompt ``index``'s request with its steering checked and its cache keys (see steering.py)."""
+        settings = self.client.settings
+        return steer_request(sp.extra_args, rendered[0], rendered[1], index=index,
+                             engine_steers=bool(getattr(settings, "steering", False)),
+                             num_layers=engine_internals.num_decoder_layers(self.llm), hidden_size=self.hidden_size,
+                             tokenize=lambda text: self.tokenizer(text)["input_ids"])
 
     # ------------------------------------------------------------------ main entry
     def generate(
@@ -319,13 +291,13 @@ class VllmHiddenStatesGenerator:
         for i, (rendered_i, sp) in enumerate(zip(rendered, params)):
             if sp.n < 1:
                 raise ValueError("SamplingParams.n must be >= 1")
-            vllm_input, salt, steer_args, step_salt = self._steering(sp, rendered_i, i)
+            request = self._steering(sp, rendered_i, i)
             for s in range(sp.n):
                 child, tag = self._tagged(sp, s)
-                child.extra_args.update(steer_args)
+                child.extra_args.update(request.extra_args)
                 owners[tag] = (i, s)
-                steering[tag] = (salt, steer_args, step_salt)
-                inputs.append(vllm_input)
+                steering[tag] = request
+                inputs.append(request.vllm_input)
                 child_params.append(child)
 
         self.client.fetch()  # drop rows of requests made outside this generator
@@ -410,7 +382,8 @@ class VllmHiddenStatesGenerator:
             num_rows = len(expected) - (0 if last and not full else 1)
             seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
                              out, ro, last=last and not full, last_row_missing=full,
-                             salt=steering[tag][0], steer_args=steering[tag][1], step_salt=steering[tag][2]))
+                             salt=steering[tag].salt, steer_args=steering[tag].extra_args,
+                             step_salt=steering[tag].step_salt))
         return seqs
 
     def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
@@ -563,7 +536,7 @@ class VllmHiddenStatesGenerator:
 
     def _result(self, prompts, rendered, seqs: list[_Seq], stats: GenerationStats) -> HiddenStatesGeneration:
         self.step_cache.begin_call()
-        keys = [_step_key(q) for q in seqs]
+        keys = [step_key(q.prompt, q.step_salt) for q in seqs]
         parents = {k: self.step_cache.history_for(k) for k in keys}
         hidden: list[list[SampleHiddenStates]] = [[] for _ in prompts]
         merged: list[Any] = [None] * len(prompts)
@@ -596,9 +569,3 @@ class VllmHiddenStatesGenerator:
                 if not self.llm.reset_prefix_cache():
                     raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
                 self.store.clear()
-
-
-def _step_key(q: _Seq) -> str:
-    """Step-cache key: the prompt text, behind the steering digest for a steered request (so a
-    steered candidate never continues a plain trajectory of the same text, or the reverse)."""
-    return f"\x00uhead-steer:{q.step_salt}\x00{q.prompt}" if q.step_salt else q.prompt
