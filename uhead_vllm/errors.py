@@ -70,5 +70,6 @@ def require(module: str, feature: str) -> ModuleType:
 def worker_errors() -> tuple[type[BaseException], ...]:
     """Errors raised by the worker-side capture code (kept free of engine-side imports)."""
     from .capture.architectures import EngineDefectError, UnknownArchitectureError
+    from .capture.steering import SteerSpecError
 
-    return (EngineDefectError, UnknownArchitectureError)
+    return (EngineDefectError, UnknownArchitectureError, SteerSpecError)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +32,7 @@ class ScheduledStep:
     new_requests: list[tuple[str, dict | None]]  # (req_id, SamplingParams.extra_args)
     num_scheduled_tokens: dict[str, int]
     finished_req_ids: set[str]
+    prompt_lens: dict[str, int] = field(default_factory=dict)  # new requests' prompt lengths
 
 
 class StepListener(Protocol):
@@ -40,6 +41,9 @@ class StepListener(Protocol):
     def on_schedule(self, step: ScheduledStep) -> None: ...
 
     def on_forward(self, step: StepOutputs) -> None: ...
+
+    # Optional: ``before_forward(step)`` (``step.aux`` empty) is called right before the model
+    # runs, where the runner can tell the batch layout then (V1); steering needs it.
 
 
 class RunnerAdapter(Protocol):
@@ -57,13 +61,16 @@ class RunnerAdapter(Protocol):
 
 def read_scheduled_step(scheduler_output: Any) -> ScheduledStep:
     """The fields of vLLM's ``SchedulerOutput`` capture needs (same in both runners)."""
-    new = []
+    new, prompt_lens = [], {}
     for req in scheduler_output.scheduled_new_reqs:
         sp = req.sampling_params
         new.append((req.req_id, None if sp is None else sp.extra_args))
+        ids = getattr(req, "prompt_token_ids", None)
+        if ids is not None:
+            prompt_lens[req.req_id] = len(ids)
     return ScheduledStep(new_requests=new,
                          num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-                         finished_req_ids=set(scheduler_output.finished_req_ids))
+                         finished_req_ids=set(scheduler_output.finished_req_ids), prompt_lens=prompt_lens)
 
 
 def split_model_output(output: Any) -> list[torch.Tensor]:

@@ -35,6 +35,10 @@ def hidden_size(llm: Any) -> int:
     return int(vllm_config(llm).model_config.get_hidden_size())
 
 
+def num_decoder_layers(llm: Any) -> int:
+    return int(vllm_config(llm).model_config.hf_text_config.num_hidden_layers)
+
+
 def engine_core_in_process(llm: Any) -> bool:
     """True when engine core and worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     return type(llm.llm_engine.engine_core).__name__ == "InprocClient"

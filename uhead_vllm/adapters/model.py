@@ -128,3 +128,26 @@ def speculative_method(runner: Any) -> str | None:
     """The speculative decoding method the engine runs (``ngram``, ``eagle3``, ...) or None."""
     spec = runner.vllm_config.speculative_config
     return None if spec is None else str(spec.method)
+
+
+def decoder_sublayers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]]:
+    """``(layer, self_attn, mlp)`` of every decoder layer of a plain (Llama / Qwen3 style)
+    decoder; ``NotImplementedError`` naming what is missing for any other layout."""
+    holder = language_model(model)
+    layers = getattr(holder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise NotImplementedError(f"{type(model).__name__}: no decoder layers at .model.layers")
+    out = []
+    for k, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not isinstance(attn, torch.nn.Module) or not isinstance(mlp, torch.nn.Module):
+            raise NotImplementedError(
+                f"{type(model).__name__} decoder layer {k} ({type(layer).__name__}) has no self_attn and mlp "
+                "submodules, so the points inside it (attn_in, attn_out, mlp_in, mlp_out) are not defined")
+        out.append((layer, attn, mlp))
+    return out
+
+
+def residual_streams(runner: Any) -> int:
+    """How many parallel residual streams the model keeps (DeepSeek-V4 mHC: ``hc_mult``, else 1)."""
+    return int(getattr(runner.model_config.hf_text_config, "hc_mult", 1) or 1)

@@ -53,7 +53,13 @@ def enable_aux_outputs(runner: Any, layers: tuple[int, ...]) -> None:
     runner.use_aux_hidden_state_outputs = True
 
 
+#: Calls ``listener.before_forward`` with the step's layout (steering and sublayer points need it).
+SUPPORTS_BEFORE_FORWARD = True
+
+
 def attach(runner: Any, listener: StepListener) -> None:
+    before = getattr(listener, "before_forward", None)
+
     def make_execute(original: Callable) -> Callable:
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             listener.on_schedule(read_scheduled_step(scheduler_output))
@@ -62,6 +68,8 @@ def attach(runner: Any, listener: StepListener) -> None:
 
     def make_forward(original: Callable) -> Callable:
         def _model_forward(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:  # the layout of this step is final here (steering)
+                before(_step_outputs(runner, kwargs, []))
             output = original(*args, **kwargs)
             listener.on_forward(_step_outputs(runner, kwargs, split_model_output(output)))
             return output

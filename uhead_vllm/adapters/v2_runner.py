@@ -57,6 +57,10 @@ def enable_aux_outputs(runner: Any, layers: tuple[int, ...]) -> None:
     runner.use_aux_hidden_state_outputs = True
 
 
+#: The batch layout is only known inside ``execute_model``: no ``before_forward`` (no steering).
+SUPPORTS_BEFORE_FORWARD = False
+
+
 def attach(runner: Any, listener: StepListener) -> None:
     last_state: list[Any] = [None]  # a step without a forward leaves the previous state behind
 

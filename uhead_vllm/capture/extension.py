@@ -19,6 +19,8 @@ from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_prob
 from .layer_hooks import install_layer_hooks
 from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, SharedDestination, encode_rows
 from .recorder import RowRecorder
+from .steerer import Steerer
+from .sublayer_hooks import SublayerState, install_sublayer_hooks
 
 _STATE_ATTR = "_uhead_recorder"
 _ROUTE_ATTR = "_uhead_route"
@@ -42,6 +44,14 @@ def _install(runner: Any) -> None:
     spec = ARCHITECTURES.get(arch)
     if spec is not None and spec.engine_defect:
         raise EngineDefectError(f"capture refused for {arch}: {spec.engine_defect}")
+    streams = vm.residual_streams(runner)
+    if streams > 1:
+        raise NotImplementedError(
+            f"{arch} keeps {streams} parallel residual streams (DeepSeek-V4 manifold-constrained hyper-"
+            "connections, hc_mult); vLLM's aux hidden states of it are their mean, not a Hugging Face "
+            "hidden state, so uhead_vllm refuses to capture it (design for rows shaped [tokens, streams, "
+            "hidden]: docs/capture_points.md#multi-stream-models)"
+        )
     use_aux = vm.supports_aux_layers(model)
     if use_aux:
         n_layers = vm.decoder_num_layers(model)
@@ -76,6 +86,7 @@ def _install(runner: Any) -> None:
             "on its decoder layers, and hooks on compiled submodules never fire. Build the engine "
             "with enforce_eager=True"
         )
+    sublayers = _check_hook_settings(runner, adapter, model, settings, arch, use_aux, eager)
     aux_layers = tuple(sorted(settings.layers))
     if use_aux:
         # Every TP rank runs the same graph, so every rank must carry the aux outputs.
@@ -87,10 +98,65 @@ def _install(runner: Any) -> None:
     recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner))
     setattr(runner, _STATE_ATTR, recorder)
     setattr(runner, _ROUTE_ATTR, ("aux" if use_aux else "layer_hooks", adapter.NAME))
-    if use_aux:
+    if sublayers is not None:
+        state = SublayerState()
+        steerer = Steerer(len(sublayers), vm.hidden_size(runner), recorder.fail)
+        install_sublayer_hooks(sublayers, settings.points, settings.steering, state)
+        adapter.attach(runner, _SublayerListener(recorder, steerer, state, runner.model_config.dtype,
+                                                 vm.device_of(runner)))
+    elif use_aux:
         adapter.attach(runner, recorder)
     else:
         _attach_hooks(runner, adapter, model, layers, spec.stream, recorder, aux_layers)
+
+
+def _check_hook_settings(runner: Any, adapter: Any, model: torch.nn.Module, settings: CaptureSettings,
+                         arch: str, use_aux: bool, eager: bool) -> list | None:
+    """The decoder's ``(layer, self_attn, mlp)`` when points or steering are asked for (None
+    otherwise); refuses, at engine build time, every setting they are not verified for."""
+    if not settings.needs_hooks:
+        return None
+    what = " and ".join(w for w, on in (("capture points", bool(settings.points)),
+                                         ("steering", settings.steering)) if on)
+    if not eager:
+        raise NotImplementedError(
+            f"{what} use forward hooks on the decoder layers' self_attn / mlp submodules, and hooks on "
+            "compiled submodules never fire (no compiled route makes these points graph outputs). Build "
+            "the engine with enforce_eager=True"
+        )
+    if not use_aux:
+        raise NotImplementedError(f"{what} are verified for plain decoders (Llama, Qwen3) only, not {arch}")
+    if not adapter.SUPPORTS_BEFORE_FORWARD:
+        raise NotImplementedError(f"{what} need the V1 model runner (this is {adapter.NAME}); on a GPU set "
+                                  "VLLM_USE_V2_MODEL_RUNNER=0")
+    if vm.tp_world_size() > 1 or vm.speculative_method(runner):
+        raise NotImplementedError(f"{what} are verified on one worker without speculative decoding only")
+    return vm.decoder_sublayers(model)
+
+
+class _SublayerListener:
+    """Step listener with points and steering: the steerer's deltas go to the hooks before each
+    forward, the hooks' captured points go to the recorder after it."""
+
+    def __init__(self, recorder: RowRecorder, steerer: Steerer, state: SublayerState, dtype: torch.dtype,
+                 device: torch.device):
+        self.recorder, self.steerer, self.state = recorder, steerer, state
+        self.dtype, self.device = dtype, device
+
+    def on_schedule(self, step: adapters.ScheduledStep) -> None:
+        self.recorder.on_schedule(step)
+        self.steerer.on_schedule(step)
+
+    def before_forward(self, step: adapters.StepOutputs) -> None:
+        self.state.reset()
+        self.state.recording = self.recorder.error is None and self.recorder.scheduled_rows > 0
+        self.state.deltas = self.steerer.deltas(step, self.dtype, self.device)
+
+    def on_forward(self, step: adapters.StepOutputs) -> None:
+        captured = self.state.captured
+        points = [captured[s] for s in self.recorder.settings.points if s in captured]
+        self.state.reset()
+        self.recorder.on_forward(step, points=points)
 
 
 class _HookedRecorder:

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .points import Site, parse_sites
+
 #: Key used in ``LLM(additional_config=...)`` and in ``SamplingParams.extra_args``.
 CAPTURE_KEY = "uhead_vllm"
 #: Qualified name passed to ``LLM(worker_extension_cls=...)``.
@@ -25,15 +27,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """What the worker records: HF ``output_hidden_states`` layer indices, storage dtype, budget.
+    """What the worker records: HF ``output_hidden_states`` layer indices, storage dtype, budget;
+    optionally points inside decoder layers and whether requests may steer.
 
     Layer k is the residual stream after decoder layer k-1 (0 = embeddings, the last index is the
-    stream *before* the final norm).
+    stream *before* the final norm). ``points`` are ``(point, decoder layer)`` sites (see
+    :mod:`.points`); rows hold ``len(layers) + len(points)`` columns, the layers first. Points and
+    steering are read / applied by hooks, so they need an eager engine.
     """
 
     layers: tuple[int, ...]
     dtype: str = "float32"
     max_bytes: int = 4 << 30
+    points: tuple[Site, ...] = ()
+    steering: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -46,18 +53,32 @@ class CaptureSettings:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
+        object.__setattr__(self, "points", parse_sites(self.points))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    @property
+    def num_columns(self) -> int:
+        """Columns per captured row: the layers, then the points."""
+        return len(self.layers) + len(self.points)
+
+    @property
+    def needs_hooks(self) -> bool:
+        """True when the engine must run eagerly (points or steering are hooks on submodules)."""
+        return bool(self.points) or self.steering
+
     def to_dict(self) -> dict:
-        return {"layers": list(self.layers), "dtype": self.dtype, "max_bytes": self.max_bytes}
+        return {"layers": list(self.layers), "dtype": self.dtype, "max_bytes": self.max_bytes,
+                "points": [list(s) for s in self.points], "steering": self.steering}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CaptureSettings":
         return cls(layers=tuple(int(k) for k in d["layers"]), dtype=d.get("dtype", "float32"),
-                   max_bytes=int(d.get("max_bytes", 4 << 30)))
+                   max_bytes=int(d.get("max_bytes", 4 << 30)),
+                   points=tuple((str(p), int(k)) for p, k in d.get("points", ())),
+                   steering=bool(d.get("steering", False)))
 
 
 @dataclass(frozen=True)
@@ -244,9 +265,12 @@ def settings_to_json(settings: CaptureSettings) -> str:
     return json.dumps(settings.to_dict())
 
 
-def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> CapturedRows:
+def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, columns: int | None = None
+               ) -> CapturedRows:
+    """No rows; ``columns`` defaults to one per layer (more when points are captured)."""
     z = torch.zeros(0, dtype=torch.int64)
-    return CapturedRows(layers=layers, hidden_parts=torch.empty(0, len(layers), hidden_size, dtype=dtype),
+    width = len(layers) if columns is None else columns
+    return CapturedRows(layers=layers, hidden_parts=torch.empty(0, width, hidden_size, dtype=dtype),
                         tags=z, samples=z.clone(), positions=z.clone(), token_ids=z.clone(),
                         chunk_offsets=torch.zeros(1, dtype=torch.int64))
 

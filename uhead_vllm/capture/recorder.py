@@ -89,13 +89,24 @@ class RowRecorder:
             )
         self._owner[key] = req_id
 
+    def fail(self, message: str) -> None:
+        """Report a problem to the engine side with the next fetch (the first one wins)."""
+        if self.error is None:
+            self.error = message
+
     # ------------------------------------------------------------------ forward
-    def on_forward(self, step: StepOutputs, streams: list[torch.Tensor] | None = None) -> None:
+    def on_forward(self, step: StepOutputs, streams: list[torch.Tensor] | None = None,
+                   points: list[torch.Tensor] | None = None) -> None:
         """Record the tagged rows of one forward. ``streams`` (layer-hook route) replace
-        ``step.aux``; both are in sorted HF-index order."""
+        ``step.aux``; both are in sorted HF-index order. ``points`` are the sublayer sites'
+        values in ``settings.points`` order (columns after the layers)."""
         self.forwards_seen += 1
         source = step.aux if streams is None else streams
         if self.error is not None or not self.scheduled_rows or not source:
+            return
+        if len(points or ()) != len(self.settings.points):
+            self.error = (f"capture points: {len(points or ())} of {len(self.settings.points)} hooks fired in "
+                          "this forward (a submodule was skipped or compiled); no rows were recorded")
             return
         qsl = step.query_start_loc
         chunk_tags, chunk_samples, starts, ends = [], [], [], []
@@ -111,7 +122,7 @@ class RowRecorder:
         lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
         n_rows = int(lens.sum())
         dtype = self.settings.torch_dtype
-        new_bytes = n_rows * len(self._select) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
+        new_bytes = n_rows * self.settings.num_columns * self.hidden_size * dtype.itemsize
         if self.bytes_held + new_bytes > self.settings.max_bytes:
             self.error = (
                 f"capture memory budget exceeded: holding {self.bytes_held} bytes, this forward "
@@ -121,7 +132,7 @@ class RowRecorder:
             self.steps.clear()
             self.bytes_held = 0
             return
-        picked = [source[j] for j in self._select]
+        picked = [source[j] for j in self._select] + list(points or ())
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
         hidden_parts, meta_parts = [], []
         for a, b in _runs(starts, ends):
@@ -225,7 +236,8 @@ class RowRecorder:
     def _rows(self, steps: list[_Step]) -> CapturedRows:
         """The steps' rows as one :class:`CapturedRows`, the hidden rows left as one part per step."""
         if not steps:
-            return empty_rows(tuple(self.settings.layers), self.hidden_size, self.settings.torch_dtype)
+            return empty_rows(tuple(self.settings.layers), self.hidden_size, self.settings.torch_dtype,
+                              self.settings.num_columns)
         lens = torch.from_numpy(np.concatenate([s.lens for s in steps]))
         meta = torch.cat([s.meta for s in steps], dim=1)
         placed = steps[0].hidden is None

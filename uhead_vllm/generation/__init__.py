@@ -2,7 +2,7 @@
 
 from .backends import BACKENDS, CaptureNotInstalledError, capture_engine_kwargs, open_capture_client
 from .backends import AuxClient as CaptureClient
-from .engine import SMALL_CPU_ENGINE, build_generator, build_llm
+from .engine import SMALL_CPU_ENGINE, UnsupportedModelError, build_generator, build_llm
 from .generator import (
     CaptureError,
     GenerationStats,
@@ -13,10 +13,12 @@ from .generator import (
 )
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
+from .steering import SteeringError
 
 __all__ = [
     "BACKENDS", "CaptureClient", "CaptureNotInstalledError", "open_capture_client", "build_llm", "build_generator",
     "SMALL_CPU_ENGINE", "capture_engine_kwargs", "CaptureError",
     "GenerationStats", "HiddenStatesGeneration", "MissingRowsError", "SampleHiddenStates",
-    "VllmHiddenStatesGenerator", "PrefixRowStore", "StepCache", "StepRecord",
+    "VllmHiddenStatesGenerator", "PrefixRowStore", "StepCache", "StepRecord", "SteeringError",
+    "UnsupportedModelError",
 ]

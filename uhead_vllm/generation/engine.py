@@ -4,9 +4,12 @@ every caller (main job, study, lm-polygraph load script, thinkbooster model, ser
 from __future__ import annotations
 
 import gc
+import json
+import os
 from typing import Any, Iterable, Mapping
 
 from ..adapters.versions import check_vllm_version
+from ..errors import InputError
 from .backends import get_backend
 
 #: vLLM settings for a small model (the embedded 135M one) on a CPU: fp32 compute (no AVX512-bf16
@@ -26,8 +29,13 @@ SMALL_CPU_ENGINE: Mapping[str, Any] = {
 
 def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
               capture_dtype: str = "float32", max_capture_bytes: int = 4 << 30,
-              backend: str = "aux", capture_dir: str | None = None, **llm_kwargs: Any):
+              backend: str = "aux", capture_dir: str | None = None, points: Iterable[Any] = (),
+              steering: bool = False, **llm_kwargs: Any):
     """``vllm.LLM`` for ``model`` with capture of ``layers`` installed (prefix caching stays on).
+
+    ``points`` (``[("mlp_out", 1), ...]``) adds columns for sites inside decoder layers after the
+    layers' columns; ``steering=True`` lets requests steer. Both need ``enforce_eager=True`` and
+    the ``aux`` backend (docs/capture_points.md).
 
     ``backend`` names an entry of :data:`uhead_vllm.generation.backends.BACKENDS`: ``"aux"``
     (default; worker extension, exact with CUDA graphs) or ``"extract"`` (vLLM's
@@ -45,13 +53,35 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     check_vllm_version()
     if int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1:
         raise NotImplementedError(PIPELINE_PARALLEL_REFUSAL)
+    refuse_multi_stream(model)
     kwargs = get_backend(backend).engine_kwargs(layers, capture_dtype=capture_dtype,
-                                                max_capture_bytes=max_capture_bytes, capture_dir=capture_dir)
+                                                max_capture_bytes=max_capture_bytes, capture_dir=capture_dir,
+                                                points=points, steering=steering)
     extra = llm_kwargs.pop("additional_config", None) or {}
     if extra:
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **extra}
     gc.collect()
     return LLM(model=model, dtype=dtype, **kwargs, **llm_kwargs)
+
+
+def refuse_multi_stream(model: str) -> None:
+    """Refuse a local model folder whose config keeps several residual streams (DeepSeek-V4 mHC,
+    ``hc_mult > 1``) before vLLM loads it; the worker refuses it again for other ways in."""
+    path = os.path.join(str(model), "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        cfg = json.load(f)
+    streams = int((cfg.get("text_config") or cfg).get("hc_mult", 1) or 1)
+    if streams > 1:
+        raise UnsupportedModelError(
+            f"{model}: {cfg.get('architectures')} keeps {streams} parallel residual streams (hyper-connections, "
+            "hc_mult); uhead_vllm's rows are one stream per token and vLLM exposes only the streams' mean, "
+            "so capture is refused (design: docs/capture_points.md#multi-stream-models)")
+
+
+class UnsupportedModelError(InputError, NotImplementedError):
+    """The model's architecture cannot be captured exactly (said before the engine is built)."""
 
 
 def build_generator(model: str, layers: Iterable[int], *, generator_kwargs: Mapping[str, Any] | None = None,

@@ -20,12 +20,14 @@ from typing import Any, Sequence
 import torch
 
 from ..adapters import engine as engine_internals
+from ..capture.points import ALIASES
 from ..capture.protocol import CapturedRows, RequestTag, RowDestination
 from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
 from .prefix_store import PrefixRowStore, buffer_address, held_bytes
 from .step_cache import StepCache, StepRecord
+from .steering import SteeredRequest, steer_request, step_key
 
 PromptLike = str | list[dict] | dict
 
@@ -119,6 +121,7 @@ class SampleHiddenStates:
     hidden: torch.Tensor  # [rows, L, H]
     steps: list[StepRecord] = field(default_factory=list)
     last_row_missing: bool = False
+    points: tuple[tuple[str, int], ...] = ()  # (point, decoder layer) of the columns after the layers
 
     @property
     def token_ids(self) -> list[int]:
@@ -133,6 +136,13 @@ class SampleHiddenStates:
         if k not in self.layers:
             raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
         return self.hidden[:, self.layers.index(k)]
+
+    def point(self, name: str, layer: int) -> torch.Tensor:
+        """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``."""
+        site = (ALIASES.get(name, name), int(layer))
+        if site not in self.points:
+            raise KeyError(f"point {name}.{layer} was not captured; captured points: {list(self.points)}")
+        return self.hidden[:, len(self.layers) + self.points.index(site)]
 
     def generated_rows(self) -> torch.Tensor:
         """Rows at the generated tokens' positions that exist (see class docstring)."""
@@ -159,6 +169,9 @@ class _Seq:
     request_output: Any
     last: bool = False  # the last token's row is computed (asked for, and the sequence can be forwarded)
     last_row_missing: bool = False  # asked for, but the sequence fills max_model_len
+    salt: str = ""  # resolved steering digest: vLLM cache_salt and row-store key prefix ("" = plain)
+    steer_args: dict = field(default_factory=dict)  # the resolved steering spec, for a recompute
+    step_salt: str = ""  # digest of the spec as given: the step-cache key prefix ("" = plain)
 
 
 class VllmHiddenStatesGenerator:
@@ -183,6 +196,8 @@ class VllmHiddenStatesGenerator:
         self.llm = self.whitebox.model if self.whitebox is not None else model
         self.client = open_capture_client(self.llm)
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
+        self.points: tuple[tuple[str, int], ...] = tuple(getattr(self.client.settings, "points", ()))
+        self.columns = len(self.layers) + len(self.points)  # per row: the layers, then the points
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = engine_internals.block_size(self.llm)
         self.max_model_len = engine_internals.max_model_len(self.llm)
@@ -228,6 +243,14 @@ class VllmHiddenStatesGenerator:
         child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample).to_extra_args()}
         return child, tag
 
+    def _steering(self, sp: Any, rendered: tuple[Any, str], index: int) -> SteeredRequest:
+        """Prompt ``index``'s request with its steering checked and its cache keys (see steering.py)."""
+        settings = self.client.settings
+        return steer_request(sp.extra_args, rendered[0], rendered[1], index=index,
+                             engine_steers=bool(getattr(settings, "steering", False)),
+                             num_layers=engine_internals.num_decoder_layers(self.llm), hidden_size=self.hidden_size,
+                             tokenize=lambda text: self.tokenizer(text)["input_ids"])
+
     # ------------------------------------------------------------------ main entry
     def generate(
         self,
@@ -264,14 +287,17 @@ class VllmHiddenStatesGenerator:
         last = self.compute_last_token if compute_last_token is None else compute_last_token
         rendered = [self.render_prompt(p, i) for i, p in enumerate(prompts)]
 
-        inputs, child_params, owners = [], [], {}
-        for i, ((vllm_input, _), sp) in enumerate(zip(rendered, params)):
+        inputs, child_params, owners, steering = [], [], {}, {}
+        for i, (rendered_i, sp) in enumerate(zip(rendered, params)):
             if sp.n < 1:
                 raise ValueError("SamplingParams.n must be >= 1")
+            request = self._steering(sp, rendered_i, i)
             for s in range(sp.n):
                 child, tag = self._tagged(sp, s)
+                child.extra_args.update(request.extra_args)
                 owners[tag] = (i, s)
-                inputs.append(vllm_input)
+                steering[tag] = request
+                inputs.append(request.vllm_input)
                 child_params.append(child)
 
         self.client.fetch()  # drop rows of requests made outside this generator
@@ -284,7 +310,7 @@ class VllmHiddenStatesGenerator:
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows,
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
-        seqs = self._sequences(rendered, owners, child_params, request_outputs, last)
+        seqs = self._sequences(rendered, owners, steering, request_outputs, last)
         self._place_first_pass(seqs, list(owners), captured, destination)
         if last:
             # The final token is never forwarded in context during generation; a row at its
@@ -301,13 +327,13 @@ class VllmHiddenStatesGenerator:
             # The store keeps views of this call's rows (no copy); sealed once every row is in.
             for q in seqs:
                 self.store.put(q.expected, q.rows, q.valid, seal=False,
-                               buffer_bytes=occupied.get(buffer_address(q.rows)))
+                               buffer_bytes=occupied.get(buffer_address(q.rows)), salt=q.salt.encode())
             for q in seqs:
-                stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid)
+                stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, salt=q.salt.encode())
             self._recompute_missing(seqs, stats)
             for q in seqs:
                 self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True,
-                               buffer_bytes=occupied.get(buffer_address(q.rows)))
+                               buffer_bytes=occupied.get(buffer_address(q.rows)), salt=q.salt.encode())
         finally:
             self.store.seal()
         stats.store_evictions = self.store.evictions - evictions
@@ -344,7 +370,7 @@ class VllmHiddenStatesGenerator:
         warnings.warn(f"{message}; the missing rows are recomputed with a second pass", RuntimeWarning,
                       stacklevel=3)
 
-    def _sequences(self, rendered, owners, child_params, request_outputs, last: bool) -> list[_Seq]:
+    def _sequences(self, rendered, owners, steering, request_outputs, last: bool) -> list[_Seq]:
         seqs = []
         for tag, ro in zip(owners, request_outputs):
             i, s = owners[tag]
@@ -355,7 +381,9 @@ class VllmHiddenStatesGenerator:
             full = last and len(expected) >= self.max_model_len
             num_rows = len(expected) - (0 if last and not full else 1)
             seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
-                             out, ro, last=last and not full, last_row_missing=full))
+                             out, ro, last=last and not full, last_row_missing=full,
+                             salt=steering[tag].salt, steer_args=steering[tag].extra_args,
+                             step_salt=steering[tag].step_salt))
         return seqs
 
     def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
@@ -374,10 +402,10 @@ class VllmHiddenStatesGenerator:
             slots[tag] = (first, capacity)
             first += capacity
         dtype = self.client.settings.torch_dtype
-        row_bytes = len(self.layers) * self.hidden_size * torch.empty(0, dtype=dtype).element_size()
+        row_bytes = self.columns * self.hidden_size * dtype.itemsize
         if first * row_bytes > _physical_memory() // 2:
             return None
-        return self.client.place_into(slots, (first, len(self.layers), self.hidden_size))
+        return self.client.place_into(slots, (first, self.columns, self.hidden_size))
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
                           destination: RowDestination | None) -> None:
@@ -403,7 +431,7 @@ class VllmHiddenStatesGenerator:
         else:
             dtype = captured.hidden_parts[0].dtype if captured.num_rows else self.client.settings.torch_dtype
             with torch.inference_mode(False):  # the store relies on the buffer's version counter
-                buffer = torch.empty((total, len(self.layers), self.hidden_size), dtype=dtype)
+                buffer = torch.empty((total, self.columns, self.hidden_size), dtype=dtype)
             first, capacity = cum[:-1], lens
         with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)
@@ -488,9 +516,10 @@ class VllmHiddenStatesGenerator:
             tag = next(_TAGS)
             has_gap = not bool(q.valid[: q.num_rows - int(q.last)].all())
             owners[tag] = q
-            inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist()})
+            salted = {"cache_salt": q.salt} if q.salt else {}
+            inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist(), **salted})
             params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=has_gap,
-                                         extra_args=RequestTag(tag, 0).to_extra_args()))
+                                         extra_args={**RequestTag(tag, 0).to_extra_args(), **q.steer_args}))
         before = {id(q): int(q.valid.sum()) for q in todo}
         self.llm.generate(inputs, params, use_tqdm=False)
         captured = self.client.fetch()
@@ -507,10 +536,11 @@ class VllmHiddenStatesGenerator:
 
     def _result(self, prompts, rendered, seqs: list[_Seq], stats: GenerationStats) -> HiddenStatesGeneration:
         self.step_cache.begin_call()
-        parents = {q.prompt: self.step_cache.history_for(q.prompt) for q in seqs}
+        keys = [step_key(q.prompt, q.step_salt) for q in seqs]
+        parents = {k: self.step_cache.history_for(k) for k in keys}
         hidden: list[list[SampleHiddenStates]] = [[] for _ in prompts]
         merged: list[Any] = [None] * len(prompts)
-        for q in seqs:
+        for q, key in zip(seqs, keys):
             i = q.prompt_index
             out = copy.copy(q.output)
             out.index = q.sample
@@ -522,11 +552,11 @@ class VllmHiddenStatesGenerator:
             sample = SampleHiddenStates(
                 prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
                 output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,
-                hidden=q.rows, last_row_missing=q.last_row_missing,
+                hidden=q.rows, last_row_missing=q.last_row_missing, points=self.points,
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                                 hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued
-            sample.steps = self.step_cache.extend(q.prompt, record, parents[q.prompt])
+            sample.steps = self.step_cache.extend(key, record, parents[key])
             hidden[i].append(sample)
         return HiddenStatesGeneration(outputs=merged, hidden_states=hidden, stats=stats)
 

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """Chained digests of the first ``num_blocks`` full blocks of ``token_ids``."""
+def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: bytes = b"") -> list[bytes]:
+    """Chained digests of the first ``num_blocks`` full blocks of ``token_ids``; ``salt`` (like
+    vLLM's ``cache_salt``) starts the chain, so steered rows never serve other requests."""
     ids = np.asarray(token_ids, dtype=np.int64)
     keys: list[bytes] = []
-    parent = b""
+    parent = salt
     for b in range(num_blocks):
         parent = hashlib.sha256(parent + ids[b * block_size : (b + 1) * block_size].tobytes()).digest()
         keys.append(parent)
@@ -69,7 +70,7 @@ class PrefixRowStore:
         return [b.rows for b in self._blocks.values()]
 
     def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, *, seal: bool = True,
-            replace: bool = False, buffer_bytes: int | None = None) -> int:
+            replace: bool = False, buffer_bytes: int | None = None, salt: bytes = b"") -> int:
         """Store every full block whose rows are all valid; returns how many blocks were new.
 
         ``seal=False`` leaves the blocks unversioned until :meth:`seal` (the caller still writes
@@ -84,7 +85,7 @@ class PrefixRowStore:
         size = _buffer_bytes(rows) if buffer_bytes is None else min(buffer_bytes, _buffer_bytes(rows))
         copy = size > self.max_bytes
         added = 0
-        for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks)):
+        for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks, salt)):
             old = self._blocks.get(key)
             if old is not None:
                 self._blocks.move_to_end(key)
@@ -109,7 +110,7 @@ class PrefixRowStore:
             if block.version is None:
                 block.version = block.rows._version
 
-    def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor) -> int:
+    def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"") -> int:
         """Fill invalid rows of full blocks from the store in place; returns rows filled."""
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
         if n_blocks == 0:
@@ -120,7 +121,7 @@ class PrefixRowStore:
         last_gap = int(torch.nonzero(gaps).max())
         gaps_list = gaps.tolist()
         filled = 0
-        for b, key in enumerate(block_keys(token_ids, self.block_size, last_gap + 1)):
+        for b, key in enumerate(block_keys(token_ids, self.block_size, last_gap + 1, salt)):
             if not gaps_list[b]:
                 continue
             block = self._blocks.get(key)

@@ -30,15 +30,22 @@ class CaptureNotInstalledError(InputError, RuntimeError):
 
 
 def capture_engine_kwargs(
-    layers: Iterable[int], dtype: str = "float32", max_bytes: int = 4 << 30
+    layers: Iterable[int], dtype: str = "float32", max_bytes: int = 4 << 30, *,
+    points: Iterable[Any] = (), steering: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments to merge into ``vllm.LLM(...)`` so its workers capture ``layers``.
 
     Layers are fixed at engine construction because compiled mode bakes them into the graph.
-    Raises ``UnsupportedVllmError`` for a vLLM outside the checked versions.
+    ``points``: extra ``(point, decoder layer)`` sites (``attn_in``, ``attn_out``, ``mlp_in``,
+    ``mlp_out``; see ``uhead_vllm.capture.points``), captured as columns after the layers.
+    ``steering=True`` lets requests steer (``SamplingParams.extra_args["uhead_steer"]``). Both are
+    hooks, so the engine must be eager (a compiled one is refused when it loads).
+    Raises ``UnsupportedVllmError`` for a vLLM outside the checked versions, ``ValueError`` for
+    an unknown point.
     """
     check_vllm_version()
-    settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype, max_bytes=max_bytes)
+    settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype, max_bytes=max_bytes,
+                               points=tuple(points), steering=bool(steering))
     return {
         "worker_extension_cls": EXTENSION_QUALNAME,
         "additional_config": {CAPTURE_KEY: settings.to_dict()},
@@ -137,10 +144,11 @@ class AuxBackend:
     name = "aux"
 
     def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
-                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None) -> dict[str, Any]:
+                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None,
+                      points: Iterable[Any] = (), steering: bool = False) -> dict[str, Any]:
         if capture_dir is not None:
             raise ValueError("capture_dir is for the 'extract' backend; the 'aux' backend keeps rows in memory")
-        return capture_engine_kwargs(layers, capture_dtype, max_capture_bytes)
+        return capture_engine_kwargs(layers, capture_dtype, max_capture_bytes, points=points, steering=steering)
 
     def owns(self, llm: Any) -> bool:
         return CAPTURE_KEY in engine_internals.additional_config(llm)

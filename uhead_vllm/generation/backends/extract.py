@@ -174,7 +174,11 @@ class ExtractBackend:
     name = "extract"
 
     def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
-                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None) -> dict[str, Any]:
+                      max_capture_bytes: int = 4 << 30, capture_dir: str | None = None,
+                      points: Iterable[Any] = (), steering: bool = False) -> dict[str, Any]:
+        if list(points) or steering:
+            raise ValueError("capture points and steering are features of the 'aux' backend (worker hooks); "
+                             "the 'extract' backend reads vLLM's residual-stream outputs only")
         if engine_internals.platform_is_cuda():
             raise NotImplementedError(
                 "the 'extract' backend is not supported on GPU: vLLM 0.26's Model Runner V2 refuses "

@@ -1,0 +1,63 @@
+"""Engine side of steering: check a request's ``uhead_steer`` spec before anything runs, and give
+the request the cache keys that keep steered and plain states apart.
+
+A steered request computes other keys, values and rows for the same tokens, so it gets vLLM's
+``cache_salt`` = the digest of its resolved spec (``"generated"`` replaced by the prompt length,
+so a recompute of the whole sequence as a prompt steers the same positions), and the row store
+keys its rows by the same digest. The step cache is keyed by the spec as given: the next step
+of a ``"generated"`` trajectory has a longer prompt (another resolved spec) and must still find
+its parent. See docs/capture_points.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..capture.steering import STEER_KEY, SteerSpec, SteerSpecError
+from ..errors import InputError
+
+
+class SteeringError(InputError, ValueError):
+    """A request's ``uhead_steer`` spec is malformed, or the engine was built without steering."""
+
+
+@dataclass(frozen=True)
+class SteeredRequest:
+    """What the generator sends for one prompt, and the keys its rows are cached under."""
+
+    vllm_input: Any
+    salt: str = ""  # vLLM cache_salt and row-store key prefix ("" = plain)
+    extra_args: dict = field(default_factory=dict)  # the resolved spec, merged into each child's extra_args
+    step_salt: str = ""  # step-cache key prefix ("" = plain)
+
+
+def steer_request(extra_args: dict | None, vllm_input: Any, text: str, *, index: int, engine_steers: bool,
+                  num_layers: int, hidden_size: int, tokenize: Callable[[str], list[int]]) -> SteeredRequest:
+    """The request of prompt ``index`` (``vllm_input`` as rendered, ``text`` its prompt text);
+    ``SteeringError`` for a bad spec or an engine built without ``steering=True``."""
+    try:
+        spec = SteerSpec.from_extra_args(extra_args)
+        if spec is not None and engine_steers:
+            spec.check(num_layers, hidden_size)
+    except SteerSpecError as exc:
+        raise SteeringError(f"prompt {index}: {exc}") from None
+    if spec is None:
+        return SteeredRequest(vllm_input)
+    if not engine_steers:
+        raise SteeringError(f"prompt {index} asks for steering ('{STEER_KEY}'), but this engine was built "
+                            "without it: build_llm(..., steering=True, enforce_eager=True)")
+    if not isinstance(vllm_input, dict):  # token ids, so "generated" starts where vLLM's prompt ends
+        vllm_input = {"prompt_token_ids": tokenize(text)}
+    resolved = spec.resolved(len(vllm_input["prompt_token_ids"]))
+    salt = resolved.digest()
+    return SteeredRequest({**vllm_input, "cache_salt": salt}, salt, resolved.to_extra_args(), spec.digest())
+
+
+def step_key(prompt: str, step_salt: str) -> str:
+    """Step-cache key: the prompt text, behind the steering digest for a steered request (so a
+    steered candidate never continues a plain trajectory of the same text, or the reverse)."""
+    return f"\x00uhead-steer:{step_salt}\x00{prompt}" if step_salt else prompt
+
+
+__all__ = ["SteeredRequest", "SteeringError", "steer_request", "step_key"]
