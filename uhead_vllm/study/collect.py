@@ -204,7 +204,8 @@ def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = 
     Returns the dataset path and what the run did (units done here / resumed, rows/s, Ray stats)."""
     partial = PartialDataset(job.out, job.to_dict())
     resumed = partial.open(overwrite=overwrite)
-    todo = [u for u in range(job.n_units) if u not in set(resumed)]
+    finished = set(resumed)
+    todo = [u for u in range(job.n_units) if u not in finished]
     already = sum(len(job.unit_questions(u)) for u in resumed)
     bar = tqdm(total=len(job.questions), initial=already, desc=f"collect {Path(job.out).name}", unit="question",
                disable=not progress)
