@@ -170,5 +170,11 @@ def test_the_main_job_on_two_actors_answers_like_one_process(model, reference, c
     here = uhead_vllm.answer(questions, head, **kwargs)
     there = uhead_vllm.answer(questions, head, ray=RayOptions(replicas=2), **kwargs)
     assert [a.question for a in there] == questions
-    assert [a.to_dict() for a in there] == [a.to_dict() for a in here]
+    # Same answers and steps; the head's arithmetic may run on another number of threads in an
+    # actor (vLLM pins this process's), so its probabilities agree to float rounding.
+    assert [(a.text, a.finish_reason, [(s.text, s.start, s.end) for s in a.steps]) for a in there] == \
+        [(a.text, a.finish_reason, [(s.text, s.start, s.end) for s in a.steps]) for a in here]
+    for a, b in zip(there, here):
+        assert a.uncertainty == pytest.approx(b.uncertainty, abs=1e-6)
+        assert [s.uncertainty for s in a.steps] == pytest.approx([s.uncertainty for s in b.steps], abs=1e-6)
     assert all(0.0 <= a.uncertainty <= 1.0 and any(s.uncertainty is not None for s in a.steps) for a in here)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
+from point_reference import hf_point_run
 from reference import hf_rows, relative_error
 from serving_server import build_tiny_head, serve
 
@@ -39,7 +40,7 @@ def server(tiny_models, tmp_path_factory, head_path):
     yield from serve(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
                       "--capture-dtype", "float32", "--max-model-len", "512",
                       "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-                      "--served-model-name", "tiny"], log)
+                      "--served-model-name", "tiny", "--steering"], log)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +250,40 @@ def test_client_disconnect_leaves_no_rows_behind(server, client):
         time.sleep(0.2)
     assert status["running_requests"] == 0 and status["worker_bytes_held"] == 0, status
     assert status["server_bytes_held"] == 0
+
+
+def test_steered_requests_get_steered_rows_and_tokens_and_plain_ones_stay_plain(tiny_models, client):
+    """A ``steer`` field adds the vector in the engine: rows and greedy tokens equal HF with the
+    same vector added by hooks, also when the prompt's blocks come from the (salted) caches the
+    second time; the same prompt unsteered gets plain rows (no KV block or stored row shared)."""
+    model = tiny_models["llama"]
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    vec = [((i % 7) - 3) * 0.05 for i in range(hidden)]
+    term = {"point": "mlp_out", "layer": 1, "vector": vec, "scale": 8.0, "tokens": "all"}
+    q = PREFIX + "What is 6 + 7?"
+    want_rows = {"uncertainty": {"rows": {"layers": LAYERS}}}
+    steered = [chat(client, q, max_tokens=10, temperature=0, extra_body={"steer": [term], **want_rows})
+               for _ in range(2)]
+    for res in steered:
+        rows, ids = rows_of(res.choices[0].model_extra["uncertainty"])
+        ref, logits = hf_point_run(model, ids, LAYERS, steer=[("mlp_out", 1, vec, 8.0, 0)])
+        assert relative_error(rows, ref[: rows.shape[0]]) < 1e-4
+        prompt_len = len(ids) + 1 - res.usage.completion_tokens  # the rows' ids lack the last sampled token
+        assert logits[prompt_len - 1 : len(ids) - 1].argmax(-1).tolist() == ids[prompt_len:]  # greedy under steering
+    assert steered[0].choices[0].message.content == steered[1].choices[0].message.content
+    plain = chat(client, q, max_tokens=10, temperature=0, extra_body=want_rows)
+    plain_rows, plain_ids = rows_of(plain.choices[0].model_extra["uncertainty"])
+    assert relative_error(plain_rows, hf_rows(model, plain_ids, LAYERS)) < 1e-4
+    first, _ = rows_of(steered[0].choices[0].model_extra["uncertainty"])
+    n = min(first.shape[0], plain_rows.shape[0])
+    assert not torch.allclose(first[:n, 2], plain_rows[:n, 2])  # the steering changed layer 2 onwards
+
+
+def test_bad_steering_is_a_400(client):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="generated"):
+        chat(client, "Hi", max_tokens=2, extra_body={"steer": [{"point": "mlp_out", "layer": 1, "vector": [0.0] * 128,
+                                                                 "tokens": "generated"}]})
+    with pytest.raises(BadRequestError, match="layer 9 out of range"):
+        chat(client, "Hi", max_tokens=2, extra_body={"steer": [{"point": "mlp_out", "layer": 9, "vector": [0.0]}]})

@@ -143,8 +143,9 @@ def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, mode
     (None: one is built with :func:`build_job_generator`, ``engine`` replacing its settings).
     ``allow_other_weights`` accepts a head trained on other weights of the same model shape.
     ``batch_size``: questions per vLLM call (None: all in one); ``ray``: a
-    :class:`uhead_vllm.scaleout.RayOptions` to answer the batches on Ray actors (same answers as
-    here with the same ``batch_size``, default 64 then)."""
+    :class:`uhead_vllm.scaleout.RayOptions` to answer the batches on Ray actors (same answers and
+    steps as here with the same ``batch_size``, default 64 then; the head's probabilities agree to
+    float rounding, as its arithmetic may run on another number of threads there)."""
     from ..heads import load_head_for_model
     from ..models import resolve_model
     from ..runtime import set_threads

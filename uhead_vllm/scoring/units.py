@@ -1,6 +1,7 @@
 """The main job over many questions, in units of ``batch_size`` questions (one vLLM call each),
 in this process or on Ray actors (:mod:`uhead_vllm.scaleout`). Units are the same wherever they
-run, so the answers are too; each unit's scored answers come back as JSON."""
+run, so the answers are too (the head's probabilities to float rounding: its arithmetic may run on
+another number of threads); each unit's scored answers come back as JSON."""
 
 from __future__ import annotations
 

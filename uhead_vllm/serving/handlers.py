@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .record import RequestRecord
 from .service import UncertaintyService
-from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_uncertainty
+from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_steer, parse_uncertainty
 from ..adapters.server import MARK
 
 logger = logging.getLogger("uhead_vllm.serving")
@@ -30,6 +30,8 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
     async def create(request: Any, raw_request: Any = None) -> Any:
         try:
             check_user_xargs(request.vllm_xargs)
+            steer = parse_steer((request.model_extra or {}).get("steer"), request.vllm_xargs, service.steering,
+                                service.num_layers, service.hidden_size)
             spec = parse_uncertainty((request.model_extra or {}).get("uncertainty"), service.limits)
             if spec is not None:
                 max_tokens = (request.max_completion_tokens if chat and request.max_completion_tokens is not None
@@ -40,9 +42,15 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
                     raise BadUncertaintyRequest("uncertainty is not served with beam search")
         except BadUncertaintyRequest as exc:
             return handler.create_error_response(str(exc))
+        salt = ""
+        if steer is not None:
+            # Steered states are other states for the same tokens: their own KV blocks and stored rows.
+            salt = steer.digest() if not request.cache_salt else f"{request.cache_salt}:{steer.digest()}"
+            request.cache_salt = salt
+            request.vllm_xargs = {**(request.vllm_xargs or {}), **steer.to_extra_args()}
         if spec is None:
             return await original(request, raw_request)
-        record = service.open(spec)
+        record = service.open(spec, salt=salt, steer_args=steer.to_extra_args() if steer is not None else {})
         request.vllm_xargs = {**(request.vllm_xargs or {}), MARK: record.key}
         try:
             result = await original(request, raw_request)

@@ -38,6 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest rows budget a request may ask for (uncertainty.max_bytes)")
     p.add_argument("--row-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
                    help="memory for prompt rows the prefix cache skips (exact refill)")
+    p.add_argument("--steering", action="store_true",
+                   help="let requests steer (a 'steer' field: vectors added at named points; eager engines)")
 
 
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
@@ -47,7 +49,7 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     path = resolve_model(args.model, args.model_cache)
     ident = model_identity(path)
     layers = args.layers or _default_layers(args.head, ident["num_hidden_layers"])
-    settings = CaptureSettings(tuple(layers), args.capture_dtype)
+    settings = CaptureSettings(tuple(layers), args.capture_dtype, steering=bool(getattr(args, "steering", False)))
     serve = {"max_rows_bytes": args.max_rows_bytes, "store_bytes": args.row_store_bytes,
              "allow_other_weights": args.allow_other_weights}
     if args.head:

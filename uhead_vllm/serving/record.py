@@ -54,10 +54,13 @@ class _RowChunks:
 class RequestRecord:
     """State of one request: prompts in the order the handler submitted them, rows by sequence."""
 
-    def __init__(self, key: str, spec: UncertaintySpec, logprobs_needed: int):
+    def __init__(self, key: str, spec: UncertaintySpec, logprobs_needed: int, salt: str = "",
+                 steer_args: dict | None = None):
         self.key = key
         self.spec = spec
         self.logprobs_needed = logprobs_needed
+        self.salt = salt  # vLLM cache_salt of a steered request ("" = plain): also the row-store key prefix
+        self.steer_args = dict(steer_args or {})  # its steering, for recomputes
         self.prompts: list[PromptState] = []
         self._rows: dict[tuple[int, int], _RowChunks] = {}
         self.capture_errors: list[str] = []

@@ -30,15 +30,16 @@ def place_captured(expected: torch.Tensor, num_rows: int, captured, num_layers: 
 
 
 async def complete_rows(expected: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, need_from: int,
-                        store: PrefixRowStore, recompute: Recompute) -> dict[str, int]:
-    """Make ``rows[need_from:]`` all valid (in place); returns counters of where rows came from."""
+                        store: PrefixRowStore, recompute: Recompute, salt: bytes = b"") -> dict[str, int]:
+    """Make ``rows[need_from:]`` all valid (in place); returns counters of where rows came from.
+    ``salt``: a steered request's cache salt, so its rows are stored and found apart from plain ones."""
     stats = {"rows_from_store": 0, "rows_recomputed": 0}
     num_rows = rows.shape[0]
     if bool(valid[need_from:].all()):
-        store.put(expected, rows, valid)
+        store.put(expected, rows, valid, salt=salt)
         return stats
     if need_from < num_rows:
-        stats["rows_from_store"] = store.fill(expected, rows, valid)
+        stats["rows_from_store"] = store.fill(expected, rows, valid, salt=salt)
     if not bool(valid[need_from:].all()):
         before = int(valid.sum())
         positions, token_ids, hidden = await recompute(expected[:num_rows].tolist())
@@ -47,5 +48,5 @@ async def complete_rows(expected: torch.Tensor, rows: torch.Tensor, valid: torch
         if not bool(valid[need_from:].all()):
             missing = torch.nonzero(~valid[need_from:]).flatten().add(need_from).tolist()
             raise RuntimeError(f"rows at positions {missing[:10]} could not be computed; this is a bug")
-    store.put(expected, rows, valid)
+    store.put(expected, rows, valid, salt=salt)
     return stats

@@ -31,11 +31,14 @@ class UncertaintyService:
     """Everything between vLLM's OpenAI handlers and the worker's captured rows."""
 
     def __init__(self, engine: Any, scorer: Scorer | None, captured_layers: tuple[int, ...], hidden_size: int,
-                 dtype: torch.dtype, block_size: int, max_rows_bytes: int, store_bytes: int):
+                 dtype: torch.dtype, block_size: int, max_rows_bytes: int, store_bytes: int,
+                 steering: bool = False, num_layers: int = 0):
         self.engine = engine  # the real engine client (not the tap)
         self.scorer = scorer
         self.captured_layers = captured_layers
         self.hidden_size = hidden_size
+        self.steering = steering  # the engine was built with steering (serve --steering)
+        self.num_layers = num_layers
         self.dtype = dtype
         self.store = PrefixRowStore(block_size, store_bytes)
         self.limits = ServerLimits(captured_layers, hidden_size, scorer.name if scorer else None, max_rows_bytes)
@@ -44,8 +47,9 @@ class UncertaintyService:
                          "capture_errors": 0, "released_early": 0}
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self, spec: UncertaintySpec) -> RequestRecord:
-        record = RequestRecord(uuid.uuid4().hex, spec, self.scorer.logprobs_needed if spec.steps else 0)
+    def open(self, spec: UncertaintySpec, salt: str = "", steer_args: dict | None = None) -> RequestRecord:
+        record = RequestRecord(uuid.uuid4().hex, spec, self.scorer.logprobs_needed if spec.steps else 0,
+                               salt, steer_args)
         self.registry[record.key] = record
         self.counters["requests"] += 1
         return record
@@ -79,14 +83,16 @@ class UncertaintyService:
                                "extension installed (--worker-extension-cls)?")
         return decode_rows(payloads[0])
 
-    async def _recompute(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward ``ids`` once more, prefix cache not read, and return the rows it captured."""
+    async def _recompute(self, ids: list[int], record: RequestRecord) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward ``ids`` once more (steered like ``record``), prefix cache not read, and return
+        the rows it captured."""
         from vllm import SamplingParams
 
         tag = new_tag()
         params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True,
-                                extra_args=RequestTag(tag, 0).to_extra_args())
-        async for _ in self.engine.generate({"prompt_token_ids": ids}, params, f"uhead-recompute-{tag}"):
+                                extra_args={**record.steer_args, **RequestTag(tag, 0).to_extra_args()})
+        prompt = {"prompt_token_ids": ids, **({"cache_salt": record.salt} if record.salt else {})}
+        async for _ in self.engine.generate(prompt, params, f"uhead-recompute-{tag}"):
             pass
         rows = await self._fetch_tags([tag], forget=True)
         self.counters["recompute_requests"] += 1
@@ -110,7 +116,8 @@ class UncertaintyService:
                                      self.hidden_size, self.dtype)
         start = len(prompt) if need_from is None else need_from
         if final:
-            stats = await complete_rows(expected, rows, valid, start, self.store, self._recompute)
+            stats = await complete_rows(expected, rows, valid, start, self.store,
+                                        lambda ids: self._recompute(ids, record), salt=record.salt.encode())
             for k, v in stats.items():
                 self.counters[k] += v
         elif not bool(valid[start:].all()):

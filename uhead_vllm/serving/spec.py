@@ -142,6 +142,38 @@ def check_row_budget(spec: UncertaintySpec, num_sequences: int, max_tokens: int 
             "bfloat16, or a larger max_bytes")
 
 
+def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int, hidden_size: int) -> Any:
+    """The request's steering spec (a :class:`~uhead_vllm.capture.steering.SteerSpec`, or None):
+    the body field ``steer`` or ``vllm_xargs["uhead_steer"]`` — the same terms as
+    ``SamplingParams.extra_args["uhead_steer"]`` — checked against the model.
+
+    ``"generated"`` is refused here: a steered request gets a ``cache_salt`` from its spec, and
+    "generated" steers other positions for every prompt length (a later request whose prompt
+    holds an earlier answer would reuse steered KV for positions it does not steer); the server
+    does not know the prompt length before vLLM renders the prompt."""
+    from ..capture.steering import STEER_KEY, SteerSpec, SteerSpecError
+
+    direct = (xargs or {}).get(STEER_KEY)
+    if value is not None and direct is not None:
+        raise BadUncertaintyRequest(f"give steering once: the 'steer' field or vllm_xargs['{STEER_KEY}']")
+    value = value if value is not None else direct
+    if value is None:
+        return None
+    if not steering:
+        raise BadUncertaintyRequest("this server was started without steering: start it with "
+                                    "`uhead-vllm serve --steering` (eager engines only)")
+    try:
+        spec = SteerSpec.from_extra_args({STEER_KEY: value})
+        spec.check(num_layers, hidden_size)
+    except SteerSpecError as exc:
+        raise BadUncertaintyRequest(f"steer: {exc}") from None
+    if spec.uses_prompt_length:
+        raise BadUncertaintyRequest("steer: tokens 'generated' is not served (its cache salt would depend on "
+                                    "the prompt length, which the server learns only after vLLM renders the "
+                                    "prompt); give the first steered position as a number, or 'all'")
+    return spec
+
+
 def check_user_xargs(xargs: dict | None) -> None:
     """Refuse client ``vllm_xargs`` keys reserved for the server's capture tags."""
     bad = sorted(k for k in (xargs or {}) if str(k).startswith(RESERVED_XARGS_PREFIX))
