@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
