@@ -93,6 +93,8 @@ def run_units(worker_cls: type, job: dict[str, Any], units: Sequence[int], optio
     ray = require("ray", "running on Ray (--ray)")
     from ray.exceptions import RayActorError
 
+    if not units:  # e.g. a resumed run with every unit finished: no engine to start
+        return PoolStats(replicas=options.replicas)
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=options.address, include_dashboard=False, log_to_driver=False,
@@ -121,7 +123,7 @@ def run_units(worker_cls: type, job: dict[str, Any], units: Sequence[int], optio
                 unit = pending.popleft()
                 inflight[actors[slot].run.remote(unit)] = (slot, unit)
 
-        for slot in range(min(options.replicas, max(len(pending), 1))):
+        for slot in range(min(options.replicas, len(pending))):
             actors.append(start(slot))
             submit(slot)
         while inflight:
