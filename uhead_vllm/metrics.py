@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from sklearn.metrics import roc_auc_score
+from sklearn.metrics import average_precision_score, roc_auc_score
 
 
 def _arrays(labels: Any, scores: Any, name: str = "scores") -> tuple[np.ndarray, np.ndarray]:
@@ -43,6 +43,15 @@ def roc_auc(labels: Any, scores: Any) -> float:
     y, s = _arrays(labels, scores)
     _need_both_classes(y, "ROC-AUC")
     return float(roc_auc_score(y, s))
+
+
+def pr_auc(labels: Any, scores: Any) -> float:
+    """Area under the precision-recall curve of ``scores`` finding label-1 items (average
+    precision; chance level = the share of label 1). ``pr_auc(step_wrong, uncertainty)`` is the
+    step metric of process-reward and step-head papers. Raises ValueError with one class only."""
+    y, s = _arrays(labels, scores)
+    _need_both_classes(y, "PR-AUC")
+    return float(average_precision_score(y, s))
 
 
 def rejection_curve(labels_wrong: Any, uncertainty: Any, max_rejection: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

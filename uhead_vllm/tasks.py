@@ -99,6 +99,11 @@ TASKS: dict[str, TaskSpec] = {
         dict(min_terms=3, max_terms=3, min_digits=1, max_digits=2, allow_negation=False),
         "a +/- b +/- c with 1-2 digit operands; harder",
     ),
+    "chain_sum_3x1": TaskSpec(
+        "chain_sum",
+        dict(min_terms=3, max_terms=3, min_digits=1, max_digits=1, allow_negation=False),
+        "a +/- b +/- c with one-digit operands: two operations (value study's unseen task)",
+    ),
     "gsm_symbolic": TaskSpec("gsm_symbolic", {}, "reasoning-gym default; near 0% for a 135M model"),
 }
 

@@ -14,6 +14,7 @@ from .base import (
 )
 from .io import HEAD_DIR_ENV, default_head_dir, load_head, load_head_for_model
 from .linear import LinearProbeHead
+from .ranking import RankingProbeHead
 
 __all__ = [
     "AttentionPoolingHead",
@@ -23,6 +24,7 @@ __all__ = [
     "HeadMismatchError",
     "HeadUsage",
     "LinearProbeHead",
+    "RankingProbeHead",
     "UncertaintyHead",
     "default_head_dir",
     "head_class",

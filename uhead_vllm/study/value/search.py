@@ -1,0 +1,169 @@
+"""Online best-of-n and beam search over the shared step tree, for many scorers at once.
+
+Both strategies follow thinkbooster's (``online_best_of_n``: keep the best of ``n`` candidates per
+step; ``beam_search``: keep the ``beam_width`` best partial answers, each expanded into
+``per_beam`` candidates, ranked by the *minimum* step validity so far, thinkbooster's default
+aggregation). Every scorer walks its own path; nodes several scorers reach are generated once
+(see :mod:`.tree`). A scorer is charged the tokens of every candidate it had generated, as if it
+had run alone. ``oracle`` scores a candidate by its label (rollouts): the ceiling of choosing.
+
+Answers not finished after ``max_steps`` lines get a greedy final phase (``finish_tokens``).
+Majority vote and greedy decoding, the scorer-free baselines, sample whole answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .labels import label_candidates
+from .tree import Candidate, Expander, Node
+
+ORACLE = "oracle"
+
+
+@dataclass
+class Path:
+    """One partial answer of one scorer."""
+
+    node: Node
+    done: bool = False
+    min_validity: float = float("inf")
+    tokens: int = 0
+
+
+@dataclass
+class Outcome:
+    """Final answer text per question and the tokens charged to it."""
+
+    texts: list[str]
+    tokens: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TreeSearch:
+    """Runs strategies on an :class:`Expander`; labels candidates lazily for the oracle."""
+
+    def __init__(self, expander: Expander, *, max_steps: int, finish_tokens: int, rollouts: int,
+                 rollout_tokens: int, progress: Callable[[str], Any] | None = None):
+        self.ex = expander
+        self.max_steps = max_steps
+        self.finish_tokens = finish_tokens
+        self.rollouts = rollouts
+        self.rollout_tokens = rollout_tokens
+        self.rollout_generated = 0
+        self._finished: dict[Node, str] = {}
+        self._finish_cost: dict[Node, int] = {}
+        self.progress = progress or (lambda _msg: None)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _children(self, nodes: list[Node], n: int, scorers: Sequence[str]) -> list[list[Candidate]]:
+        kids = self.ex.expand(nodes, n)
+        if ORACLE in scorers:
+            todo = [(nd, cs) for nd, cs in zip(nodes, kids) if any(c.value is None for c in cs)]
+            if todo:
+                self.rollout_generated += label_candidates(self.ex, todo, k=self.rollouts,
+                                                           max_tokens=self.rollout_tokens)
+        return kids
+
+    @staticmethod
+    def _validity(cand: Candidate, scorer: str) -> float:
+        return float(cand.value) if scorer == ORACLE else cand.validity[scorer]
+
+    def _finish(self, paths: dict[str, list[list[Path]]]) -> dict[str, Outcome]:
+        """Greedy final phase for unfinished paths, then the answer text per scorer and question."""
+        from vllm import SamplingParams
+
+        todo = list(dict.fromkeys(qp[0].node for ps in paths.values() for qp in ps
+                                  if not qp[0].done and qp[0].node not in self._finished))
+        if todo:
+            sp = SamplingParams(temperature=0.0, max_tokens=self.finish_tokens)
+            outs = self.ex.gen.llm.generate([self.ex.prompt_ids(nd) for nd in todo], sp, use_tqdm=False)
+            for nd, ro in zip(todo, outs):
+                self._finished[nd] = ro.outputs[0].text
+                self._finish_cost[nd] = len(ro.outputs[0].token_ids)
+        result = {}
+        for name, per_q in paths.items():
+            texts, tokens = [], []
+            for qp in per_q:
+                best = qp[0]
+                extra_text = "" if best.done else self._finished[best.node]
+                texts.append(best.node.prefix + extra_text)
+                tokens.append(best.tokens + (0 if best.done else self._finish_cost[best.node]))
+            result[name] = Outcome(texts, tokens)
+        return result
+
+    # ------------------------------------------------------------------ online best-of-n
+    def best_of_n(self, scorers: Sequence[str], n: int) -> dict[str, Outcome]:
+        nq = len(self.ex.questions)
+        paths = {s: [[Path(Node(q))] for q in range(nq)] for s in scorers}
+        for depth in range(self.max_steps):
+            live = [(s, q) for s in scorers for q in range(nq) if not paths[s][q][0].done]
+            if not live:
+                break
+            self.progress(f"best-of-{n} step {depth + 1}: {len(live)} paths")
+            nodes = [paths[s][q][0].node for s, q in live]
+            kids = self._children(nodes, n, scorers)
+            for (s, q), cands in zip(live, kids):
+                p = paths[s][q][0]
+                best = max(range(len(cands)), key=lambda i: self._validity(cands[i], s))
+                c = cands[best]
+                p.tokens += sum(x.n_tokens for x in cands)
+                p.min_validity = min(p.min_validity, self._validity(c, s))
+                p.node = Node(q, p.node.prefix + c.text)
+                p.done = c.finished
+        return self._finish(paths)
+
+    # ------------------------------------------------------------------ beam search
+    def beam_search(self, scorers: Sequence[str], beam_width: int, per_beam: int) -> dict[str, Outcome]:
+        nq = len(self.ex.questions)
+        beams = {s: [[Path(Node(q))] for q in range(nq)] for s in scorers}
+        spent = {s: [0] * nq for s in scorers}
+        for depth in range(self.max_steps):
+            live = [(s, q, p) for s in scorers for q in range(nq) for p in beams[s][q] if not p.done]
+            if not live:
+                break
+            self.progress(f"beam {beam_width}x{per_beam} step {depth + 1}: {len(live)} beams")
+            kids = self._children([p.node for _, _, p in live], per_beam, scorers)
+            grown: dict[tuple[str, int], list[Path]] = {}
+            for (s, q, p), cands in zip(live, kids):
+                spent[s][q] += sum(c.n_tokens for c in cands)
+                for c in cands:
+                    grown.setdefault((s, q), []).append(Path(
+                        Node(q, p.node.prefix + c.text), c.finished, min(p.min_validity, self._validity(c, s))))
+            for s in scorers:
+                for q in range(nq):
+                    pool = [p for p in beams[s][q] if p.done] + grown.get((s, q), [])
+                    if pool:
+                        beams[s][q] = sorted(pool, key=lambda p: -p.min_validity)[:beam_width]
+        for s in scorers:
+            for q in range(nq):
+                ranked = sorted(beams[s][q], key=lambda p: (not p.done, -p.min_validity))
+                ranked[0].tokens = spent[s][q]
+                beams[s][q] = ranked
+        return self._finish(beams)
+
+
+def sample_answers(expander: Expander, n: int, temperature: float, max_tokens: int, seed: int) -> list[list[tuple[str, int]]]:
+    """``n`` whole answers per question (text, tokens): greedy and majority-vote baselines."""
+    from vllm import SamplingParams
+
+    from .tree import stable_seed
+
+    prompts = [expander.prompt_ids(Node(q)) for q in range(len(expander.questions))]
+    params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens,
+                             seed=stable_seed("whole", seed, q)) for q in range(len(prompts))]
+    outs = expander.gen.llm.generate(prompts, params, use_tqdm=False)
+    return [[(co.text, len(co.token_ids)) for co in ro.outputs] for ro in outs]
+
+
+def majority_vote(answers: list[tuple[str, int]], extract: Callable[[str], str | None]) -> tuple[str, int]:
+    """The answer text whose extracted answer is most frequent (first seen wins ties); total tokens."""
+    counts: dict[str | None, int] = {}
+    first: dict[str | None, str] = {}
+    for text, _ in answers:
+        key = extract(text)
+        counts[key] = counts.get(key, 0) + (key is not None)
+        first.setdefault(key, text)
+    best = max(counts, key=lambda k: counts[k])
+    return first[best], sum(t for _, t in answers)
