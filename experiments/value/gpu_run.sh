@@ -22,9 +22,10 @@ print("model", ident, "matches the default head's fingerprint:", ident["weights_
 EOF
 for stage in ${STAGES//,/ }; do
   echo "=== stage $stage $(date +%T)"
-  python3 -m experiments.value.run_value_study --stages "$stage" --work "$WORK" "$@" 2>&1 \
-    | grep -v -E "Warning|warn\(|^\s*$" | tail -n 60
   mkdir -p "$OUT/value"
+  timeout "${STAGE_TIMEOUT:-3000}" python3 -u -m experiments.value.run_value_study --stages "$stage" --work "$WORK" "$@" \
+    > "$OUT/value/$stage.log" 2>&1
+  grep -E "^\[|Error|error:" "$OUT/value/$stage.log" | tail -n 40
   cp -r "$WORK/search" "$WORK/step_metrics.json" "$WORK/ranking_head" "$OUT/value/" 2>/dev/null
   [ -f "$WORK/steps/summary.json" ] && cp "$WORK/steps/summary.json" "$OUT/value/steps_summary.json"
 done

@@ -264,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--max-step-tokens", type=int, default=48)
     p.add_argument("--rollouts", type=int, default=4)
-    p.add_argument("--rollout-tokens", type=int, default=160)
+    p.add_argument("--rollout-tokens", type=int, default=96)
     p.add_argument("--finish-tokens", type=int, default=64)
     p.add_argument("--whole-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=512)

@@ -122,25 +122,32 @@ class Expander:
         from vllm import SamplingParams
 
         return SamplingParams(n=n, temperature=self.temperature, top_p=1.0, max_tokens=self.max_step_tokens,
-                              stop=["\n"], include_stop_str_in_output=True, logprobs=self.logprobs,
+                              min_tokens=2, stop=["\n"], include_stop_str_in_output=True, logprobs=self.logprobs,
                               seed=stable_seed(self.seed, node.q, node.prefix))
 
     def _generate(self, nodes: list[Node], n: int) -> None:
+        # The last sampled token (the step's newline, an EOS, or a length cut) has no row unless
+        # recomputed, which re-runs every prompt; steps are scored on their tokens before it, as
+        # thinkbooster scores a step without its stop string. min_tokens=2 keeps that non-empty.
         res = self.gen.generate([self.prompt_ids(nd) for nd in nodes], [self._params(nd, n) for nd in nodes],
-                                compute_last_token=True)
+                                compute_last_token=False)
         pending: list[tuple[Candidate, CandidateStep]] = []
         for i, nd in enumerate(nodes):
             kids = []
             for s, co in enumerate(res.outputs[i].outputs):
                 hs = res.hidden_states[i][s]
                 ids = [int(t) for t in co.token_ids]
-                finished = co.finish_reason == "stop" and co.stop_reason is None
+                # End of sequence: EOS (stop_reason None) or an extra EOS id from the generation
+                # config (vLLM puts those in stop_token_ids: stop_reason = the id); the "\n" step
+                # stop is a string.
+                finished = co.finish_reason == "stop" and not isinstance(co.stop_reason, str)
                 cand = Candidate(co.text, tuple(ids), finished)
                 self.generated_tokens += len(ids)
-                end = len(ids)
-                while end > 1 and ids[end - 1] in self._special:
-                    end -= 1  # a trailing EOS is not part of the step (no row in ordinary answers)
-                step = CandidateStep(ids, StepSpan(0, end), hs.hidden[hs.prompt_len:], hs.layers, co.logprobs)
+                rows = hs.hidden[hs.prompt_len:]
+                step = CandidateStep(ids, StepSpan(0, min(len(ids) - 1, rows.shape[0])), rows, hs.layers, co.logprobs)
+                if len(step.span) == 0:
+                    raise RuntimeError(f"a {len(ids)}-token candidate has no scorable token (min_tokens=2 "
+                                       "should prevent it)")
                 cand.validity.update(self._baselines(step, nd, s))
                 pending.append((cand, step))
                 kids.append(cand)
