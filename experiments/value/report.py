@@ -16,10 +16,19 @@ NOT_BASELINES = {HEAD, "oracle"}
 
 
 def _load_search(work: Path) -> dict[str, list[dict]]:
-    by_task: dict[str, list[dict]] = {}
+    """Per task, one record per seed: the runs of its per-n files merged (greedy is in each)."""
+    merged: dict[tuple[str, int], dict] = {}
     for path in sorted((work / "search").glob("*.json")):
         d = json.loads(path.read_text())
-        by_task.setdefault(d["task"], []).append(d)
+        rec = merged.setdefault((d["task"], d["seed"]), {**d, "runs": {}, "wall_s": 0.0})
+        if rec["questions"] != d["questions"]:
+            raise ValueError(f"{path}: other questions than the seed's other files")
+        for run, r in d["runs"].items():
+            rec["runs"].setdefault(run, r)
+        rec["wall_s"] += d["wall_s"]
+    by_task: dict[str, list[dict]] = {}
+    for (task, _), rec in sorted(merged.items()):
+        by_task.setdefault(task, []).append(rec)
     return by_task
 
 
@@ -35,7 +44,7 @@ def _strategies(runs: list[str]) -> list[str]:
 
 
 def task_summary(files: list[dict]) -> dict[str, Any]:
-    runs = list(files[0]["runs"])
+    runs = [r for r in files[0]["runs"] if all(r in f["runs"] for f in files)]  # runs every seed has
     rows = {}
     for run in runs:
         corr, tokens = _per_question(files, run)
@@ -48,7 +57,8 @@ def task_summary(files: list[dict]) -> dict[str, Any]:
             continue
         head, _ = _per_question(files, head_run)
         others = [r for r in runs if r.startswith(strat + "/") and r.split("/")[1] not in NOT_BASELINES]
-        n = strat.split("@")[-1] if "@" in strat else None
+        # beam 2xk spends 2k candidates per step, as best-of-2k does
+        n = strat.split("@")[-1] if "@" in strat else str(2 * int(strat.split("x")[-1])) if "x" in strat else None
         if n is not None and f"majority@{n}" in rows:
             others.append(f"majority@{n}")
         best_other = max(others, key=lambda r: rows[r]["mean"])
@@ -57,8 +67,11 @@ def task_summary(files: list[dict]) -> dict[str, Any]:
                             **paired_bootstrap(head, _per_question(files, best_other)[0])})
         oracle_run = f"{strat}/oracle"
         if oracle_run in rows:
-            comparisons.append({"run": oracle_run, "vs": "greedy", "note": "ceiling",
+            comparisons.append({"run": oracle_run, "vs": "greedy", "note": "ceiling of step choice",
                                 **paired_bootstrap(_per_question(files, oracle_run)[0], greedy)})
+        if n is not None and f"pass@{n}" in rows:
+            comparisons.append({"run": f"pass@{n}", "vs": "greedy", "note": "ceiling of answer choice",
+                                **paired_bootstrap(_per_question(files, f"pass@{n}")[0], greedy)})
     return {"seeds": [f["seed"] for f in files], "questions": len(files[0]["questions"]), "runs": rows,
             "comparisons": comparisons, "wall_s": sum(f["wall_s"] for f in files)}
 
@@ -124,7 +137,7 @@ def _plot(tasks: dict, path: Path) -> Path:
         means = [s["runs"][r]["mean"] for r in names]
         err = [[s["runs"][r]["mean"] - s["runs"][r]["lo"] for r in names],
                [s["runs"][r]["hi"] - s["runs"][r]["mean"] for r in names]]
-        colors = ["tab:red" if HEAD in r else "tab:gray" if "oracle" in r else "tab:blue" for r in names]
+        colors = ["tab:red" if HEAD in r else "tab:gray" if "oracle" in r or "pass@" in r else "tab:blue" for r in names]
         ax.barh(range(len(names)), means, xerr=err, color=colors)
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.invert_yaxis()

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -164,7 +165,7 @@ def stage_steps(args: argparse.Namespace, work: Path, session: Session) -> None:
         if f"{task}.{split}" in summary and not args.overwrite:
             _say(f"{task} {split}: step data already in {work / 'steps'} (--overwrite to redo)")
             continue
-        qs = _questions(work, task, split, args.limit)
+        qs = _questions(work, task, split, args.step_questions if split == "train" else args.step_test_questions)
         start = time.perf_counter()
         ex = session.expander(qs, seed=7, heads=session.heads(work, with_ranking=False), feature_head=_feature_scorer())
         data, tokens = collect_steps(ex, n=args.collect_n, max_steps=args.max_steps, rollouts=args.rollouts,
@@ -200,41 +201,51 @@ def stage_train(args: argparse.Namespace, work: Path, session: Session | None) -
 
 
 def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None:
+    """One file per (task, seed, n), written as soon as it is done, in the order seed -> n -> task,
+    so a run cut short (GPU time) still leaves whole, comparable units. A (task, seed) keeps one
+    step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children."""
     from uhead_vllm.study.value.search import ORACLE, TreeSearch, majority_vote, sample_answers
     from uhead_vllm.tasks import extract_answer, grade
 
     heads = session.heads(work)
     scorers = [*heads, "entropy", "perplexity", "msp", "random", ORACLE]
     (work / "search").mkdir(parents=True, exist_ok=True)
-    for task in [args.train_task, *args.unseen_tasks] if not args.tasks else args.tasks:
-        qs = _questions(work, task, "study", args.limit)
-        for seed in args.seeds:
-            path = work / "search" / f"{task}.seed{seed}.json"
-            if path.is_file() and not args.overwrite:
-                _say(f"{path} exists (--overwrite to redo)")
-                continue
-            ex = session.expander(qs, seed=seed, heads=heads)
-            ts = TreeSearch(ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens, rollouts=args.rollouts,
-                            rollout_tokens=args.rollout_tokens, progress=_say)
-            runs: dict[str, dict] = {}
-            start = time.perf_counter()
-            greedy = sample_answers(ex, 1, 0.0, args.whole_tokens, seed)
-            runs["greedy"] = _graded(qs, [a[0] for a in greedy], grade)
-            for n in args.n:
+    trees: dict[tuple[str, int], tuple[list, Any, Any]] = {}
+    for seed in args.seeds:
+        for n in args.n:
+            for task in args.tasks or [args.train_task, *args.unseen_tasks]:
+                path = work / "search" / f"{task}.seed{seed}.n{n}.json"
+                if path.is_file() and not args.overwrite:
+                    _say(f"{path} exists (--overwrite to redo)")
+                    continue
+                if (task, seed) not in trees:
+                    qs = _questions(work, task, "study", args.limit)
+                    ex = session.expander(qs, seed=seed, heads=heads)
+                    trees[(task, seed)] = (qs, ex, TreeSearch(
+                        ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens,
+                        rollouts=args.oracle_rollouts, rollout_tokens=args.rollout_tokens, progress=_say))
+                qs, ex, ts = trees[(task, seed)]
+                tokens_before, rollouts_before = ex.generated_tokens, ts.rollout_generated
+                start = time.perf_counter()
+                runs = {"greedy": _graded(qs, [a[0] for a in sample_answers(ex, 1, 0.0, args.whole_tokens, seed)], grade)}
                 whole = sample_answers(ex, n, args.temperature, args.whole_tokens, seed)
                 runs[f"majority@{n}"] = _graded(qs, [majority_vote(a, extract_answer) for a in whole], grade)
+                runs[f"pass@{n}"] = {"correct": [int(any(grade(q, t)[0] for t, _ in a)) for q, a in zip(qs, whole)],
+                                     "tokens": [sum(t for _, t in a) for a in whole]}
                 for name, out in ts.best_of_n(scorers, n).items():
                     runs[f"bon@{n}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
                 if n % 2 == 0:
                     for name, out in ts.beam_search(scorers, 2, n // 2).items():
                         runs[f"beam2x{n // 2}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
                 _say(f"{task} seed {seed} n={n}: " + ", ".join(
-                    f"{k}={sum(r['correct']) / len(qs):.3f}" for k, r in runs.items() if f"@{n}" in k or f"x{n // 2}/" in k))
-            path.write_text(json.dumps({"task": task, "seed": seed, "questions": [q.qid for q in qs], "runs": runs,
-                                        "wall_s": time.perf_counter() - start,
-                                        "candidate_tokens": ex.generated_tokens,
-                                        "oracle_rollout_tokens": ts.rollout_generated}))
-            _say(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+                    f"{k}={sum(r['correct']) / len(qs):.3f}" for k, r in runs.items()))
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"task": task, "seed": seed, "n": n, "questions": [q.qid for q in qs],
+                                           "runs": runs, "wall_s": time.perf_counter() - start,
+                                           "candidate_tokens": ex.generated_tokens - tokens_before,
+                                           "oracle_rollout_tokens": ts.rollout_generated - rollouts_before}))
+                tmp.replace(path)
+                _say(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
 
 
 def _graded(questions: list, answers: list, grade) -> dict:
@@ -256,14 +267,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-questions", type=int, default=2000)
     p.add_argument("--test-questions", type=int, default=300)
     p.add_argument("--study-questions", type=int, default=500)
-    p.add_argument("--limit", type=int, default=None, help="use the first N questions of each split (smoke runs)")
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--limit", type=int, default=None, help="use the first N study questions (smoke runs)")
+    p.add_argument("--step-questions", type=int, default=None, help="first N training questions for step data")
+    p.add_argument("--step-test-questions", type=int, default=None, help="first N held-out step-data questions")
+    p.add_argument("--temperature", type=float, default=0.3,
+                   help="sampling temperature of candidates, rollouts and majority vote (see temperature_probe.py)")
     p.add_argument("--collect-n", type=int, default=4)
     p.add_argument("--n", type=int, nargs="+", default=[4, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--max-step-tokens", type=int, default=48)
     p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--oracle-rollouts", type=int, default=2, help="rollouts per candidate for the oracle's labels")
     p.add_argument("--rollout-tokens", type=int, default=96)
     p.add_argument("--finish-tokens", type=int, default=64)
     p.add_argument("--whole-tokens", type=int, default=256)

@@ -9,11 +9,14 @@ import numpy as np
 
 from ...features import FeatureRecipe
 from ...heads.ranking import RankingProbeHead
-from .stats import step_metrics, within_group_accuracy
+from .stats import step_metrics
 from .steps import StepData, question_split
 
-#: Searched on a question-level validation split; the best by within-step pairwise accuracy wins.
+#: Searched on a question-level validation split; the best by within-step pairwise accuracy wins
+#: (by ROC-AUC of "wrong" where the split has no sibling pair that differs; DEFAULT where neither
+#: is defined).
 GRID = {"l2": (1e-3, 1e-2, 1e-1), "pair_weight": (0.0, 1.0, 4.0)}
+DEFAULT = {"l2": 1e-2, "pair_weight": 1.0}
 
 
 def fit_ranking_head(data: StepData, layers: Sequence[int], *, seed: int = 0,
@@ -28,10 +31,13 @@ def fit_ranking_head(data: StepData, layers: Sequence[int], *, seed: int = 0,
         head = RankingProbeHead(recipe, l2=l2, pair_weight=pw)
         head.fit_pooled(x[fit_mask], data.wrong[fit_mask], data.groups[fit_mask], data.values[fit_mask])
         validity = 1.0 - _sigmoid(head.decision_pooled(x[val_mask]))
-        acc = within_group_accuracy(data.groups[val_mask], data.values[val_mask], validity)
-        record.append({"l2": l2, "pair_weight": pw, "val_within_step_pairwise": acc})
-        say(f"ranking head l2={l2:g} pair_weight={pw:g}: validation within-step accuracy {acc:.3f}")
-    best = max(record, key=lambda r: r["val_within_step_pairwise"])
+        m = step_metrics(data.groups[val_mask], data.values[val_mask], validity)
+        record.append({"l2": l2, "pair_weight": pw, "val_within_step_pairwise": m["within_step_pairwise"],
+                       "val_roc_auc": m["roc_auc"]})
+        say(f"ranking head l2={l2:g} pair_weight={pw:g}: validation {m}")
+    key = next((k for k in ("val_within_step_pairwise", "val_roc_auc") if record[0][k] is not None), None)
+    best = max(record, key=lambda r: r[key]) if key else DEFAULT
+    say(f"ranking head: {best} chosen by {key or 'default (no validation metric defined)'}")
     head = RankingProbeHead(recipe, l2=best["l2"], pair_weight=best["pair_weight"])
     head.fit_pooled(x, data.wrong, data.groups, data.values)
     return head, record
