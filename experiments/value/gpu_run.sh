@@ -14,7 +14,11 @@ STAGES=$1; shift
 WORK=$W/value
 OUT=${OUT:-/tmp/out}
 mkdir -p "$WORK" "$OUT/value"
-if [ -d .cache/value_study/questions ]; then rm -rf "$WORK/questions"; cp -r .cache/value_study/questions "$WORK/"; fi
+# Carried results of an earlier call (questions, ranking_head, search files, ...) join the work dir.
+[ -d .cache/value_study ] && cp -r .cache/value_study/. "$WORK/"
+pack() { (cd "$WORK" && tar czf "$OUT/value/results.tmp" search step_metrics.json ranking_head steps/summary.json 2>/dev/null;
+          mv "$OUT/value/results.tmp" "$OUT/value/results.tgz"); }
+(while sleep 15; do pack; done) &  # a call cut off by its time limit still returns finished units
 python3 - <<'PY'
 from uhead_vllm.models import embedded_model_path, model_identity
 import json
@@ -27,5 +31,5 @@ timeout "${STUDY_TIMEOUT:-3000}" python3 -u -m experiments.value.run_value_study
   > "$OUT/value/run.$(date +%H%M%S).log" 2>&1
 echo "exit $? $(date +%T)"
 grep -h -E "^\[|Error|error:" "$OUT"/value/run.*.log | tail -n 60
-cd "$WORK" && tar czf "$OUT/value/results.tgz" search step_metrics.json ranking_head steps/summary.json 2>/dev/null
+kill %1 2>/dev/null; pack
 ls -la "$OUT/value"

@@ -201,7 +201,7 @@ def stage_train(args: argparse.Namespace, work: Path, session: Session | None) -
 
 
 def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None:
-    """One file per (task, seed, n), written as soon as it is done, in the order seed -> n -> task,
+    """One file per (task, seed, n), written as soon as it is done, in the order n -> seed -> task,
     so a run cut short (GPU time) still leaves whole, comparable units. A (task, seed) keeps one
     step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children."""
     from uhead_vllm.study.value.search import ORACLE, TreeSearch, majority_vote, sample_answers
@@ -211,8 +211,8 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
     scorers = [*heads, "entropy", "perplexity", "msp", "random", ORACLE]
     (work / "search").mkdir(parents=True, exist_ok=True)
     trees: dict[tuple[str, int], tuple[list, Any, Any]] = {}
-    for seed in args.seeds:
-        for n in args.n:
+    for n in args.n:
+        for seed in args.seeds:
             for task in args.tasks or [args.train_task, *args.unseen_tasks]:
                 path = work / "search" / f"{task}.seed{seed}.n{n}.json"
                 if path.is_file() and not args.overwrite:
