@@ -2,7 +2,11 @@
 # Value study on the GPU machine (vLLM 0.26 installed from wheel parts into $W/site, see
 # ../shared/gpu/README.md; the embedded model's wheel, gguf and scikit-learn are among the parts).
 #   STUDY_TIMEOUT=480 bash experiments/value/gpu_run.sh STAGES [extra run_value_study args...]
-# One process runs all STAGES (one engine start). Questions come from .cache/value_study/questions
+#   UNITS="basic_arithmetic:0 chain_sum_3x1:1" STUDY_TIMEOUT=560 bash experiments/value/gpu_run.sh search
+#   PROBE=1 [PROBE_ARGS=...] ... also runs experiments/value/temperature_probe.py next to the stages
+# One process runs all STAGES (one engine start); with UNITS, one search process per task:seed
+# runs at once on the same GPU (a 135M model leaves the H100 mostly idle: the tree walk, not the
+# GPU, bounds one process), each engine with a share of the GPU memory. Questions come from .cache/value_study/questions
 # (carried; written here by --stages questions). Work files stay in $W/value between calls (the
 # machine keeps its temp dir while warm); what a later reader needs is copied to $OUT at the end,
 # also after a time-out (search units are whole files, written as they finish).
@@ -26,10 +30,30 @@ ident = model_identity(embedded_model_path())
 want = json.load(open("uhead_vllm/heads/default/config.json"))["model_identity"]["weights_fingerprint"]
 print("model", ident, "matches the default head's fingerprint:", ident["weights_fingerprint"] == want, flush=True)
 PY
-echo "=== stages $STAGES $(date +%T)"
-timeout "${STUDY_TIMEOUT:-3000}" python3 -u -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" "$@" \
-  > "$OUT/value/run.$(date +%H%M%S).log" 2>&1
-echo "exit $? $(date +%T)"
+echo "=== stages $STAGES units ${UNITS:-all} probe ${PROBE:-0} $(date +%T)"
+T=$(date +%H%M%S)
+run() {  # run NAME ARGS...: one study process, its own log and its own vLLM compile cache (seeded
+  local name=$1; shift  # from the first run's, so concurrent engines never write one cache dir)
+  [ -d "$W/vcache.main" ] && [ ! -d "$W/vcache.$name" ] && cp -r "$W/vcache.main" "$W/vcache.$name"
+  VLLM_CACHE_ROOT=$W/vcache.$name timeout "${STUDY_TIMEOUT:-3000}" python3 -u "$@" > "$OUT/value/run.$T.$name.log" 2>&1
+  echo "$name exit $? $(date +%T)"
+}
+N_PROCS=$(( $(wc -w <<< "${UNITS:-x}") + ${PROBE:-0} ))
+MEM=$(python3 -c "print(round(0.85 / $N_PROCS, 2))")
+PIDS=()
+if [ "${PROBE:-0}" = 1 ]; then
+  run probe -m experiments.value.temperature_probe --work "$WORK" \
+    --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
+fi
+if [ -n "${UNITS:-}" ]; then
+  for u in $UNITS; do
+    run "${u/:/.s}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
+      --tasks "${u%%:*}" --seeds "${u##*:}" --gpu-memory-utilization "$MEM" "$@" & PIDS+=($!)
+  done
+else
+  run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "$@" & PIDS+=($!)
+fi
+wait "${PIDS[@]}"
 grep -h -E "^\[|Error|error:" "$OUT"/value/run.*.log | tail -n 60
 kill %1 2>/dev/null; pack
 ls -la "$OUT/value"

