@@ -15,7 +15,7 @@ import torch
 from conftest import make_vllm_kwargs
 from reference import hf_rows
 from uhead_vllm.features import FeatureRecipe, pool
-from uhead_vllm.heads import RankingProbeHead, load_head
+from uhead_vllm.heads import RankingProbeHead, load_head, load_head_for_model, ranking_head_dir
 from uhead_vllm.heads.ranking import sibling_pairs
 from uhead_vllm.study.value.labels import label_candidates
 from uhead_vllm.study.value.search import ORACLE, TreeSearch, majority_vote
@@ -53,6 +53,18 @@ def test_ranking_head_orders_siblings_better_than_a_pointwise_probe():
     assert acc["ranker"] > 0.94  # measured 0.955; the pointwise probe 0.873
     assert acc["ranker"] > acc["pointwise"] + 0.05
     assert ranker.training_summary_["n_pairs"] > 0
+    # the recorded loss is the fitted one, below the loss at zero weights (ln 2 per term)
+    assert ranker.training_summary_["final_loss"] < 0.8 * np.log(2) * (1 + 4.0)
+
+
+def test_shipped_ranking_head_fits_the_embedded_model_and_scores(embedded_model):
+    head = load_head_for_model(ranking_head_dir(), embedded_model)
+    assert isinstance(head, RankingProbeHead) and list(head.recipe.layers) == [14, 18, 22]
+    assert head.usage.level == "step" and head.usage.generation["temperature"] == 0.3
+    rng = np.random.default_rng(0)
+    steps = [rng.normal(size=(3, head.n_features_in_)).astype(np.float32) for _ in range(5)]
+    p = head.predict_proba(steps)
+    assert p.shape == (5,) and ((p > 0) & (p < 1)).all() and np.unique(p).size == 5
 
 
 def test_ranking_head_round_trips_and_scores_steps(tmp_path):

@@ -29,10 +29,12 @@ from .heads import (
     HeadMismatchError,
     HeadUsage,
     LinearProbeHead,
+    RankingProbeHead,
     UncertaintyHead,
     default_head_dir,
     load_head,
     load_head_for_model,
+    ranking_head_dir,
 )
 from .models import embedded_model_path, model_identity, resolve_model
 from .scoring.answer import answer
@@ -48,7 +50,8 @@ __all__ = [
     "MissingRowsError", "UnsupportedVllmError", "HeadMismatchError", "HeadFormatError",
     # features and heads
     "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",
-    "LinearProbeHead", "AttentionPoolingHead", "HeadUsage", "load_head", "load_head_for_model", "default_head_dir",
+    "LinearProbeHead", "AttentionPoolingHead", "RankingProbeHead", "HeadUsage", "load_head", "load_head_for_model",
+    "default_head_dir", "ranking_head_dir",
     # the main job
     "answer",
     # models and versions

@@ -40,18 +40,19 @@ run() {  # run NAME ARGS...: one study process, its own log and its own vLLM com
 }
 N_PROCS=$(( $(wc -w <<< "${UNITS:-x}") + ${PROBE:-0} ))
 MEM=$(python3 -c "print(round(0.85 / $N_PROCS, 2))")
+KV=(); [ "$N_PROCS" -gt 1 ] && KV=(--kv-cache-gib "$(python3 -c "print(round(48 / $N_PROCS, 1))")")
 PIDS=()
 if [ "${PROBE:-0}" = 1 ]; then
   run probe -m experiments.value.temperature_probe --work "$WORK" \
-    --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
+    --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
 fi
 if [ -n "${UNITS:-}" ]; then
   for u in $UNITS; do
     run "${u/:/.s}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
-      --tasks "${u%%:*}" --seeds "${u##*:}" --gpu-memory-utilization "$MEM" "$@" & PIDS+=($!)
+      --tasks "${u%%:*}" --seeds "${u##*:}" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
   done
 else
-  run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "$@" & PIDS+=($!)
+  run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
 fi
 wait "${PIDS[@]}"
 grep -h -E "^\[|Error|error:" "$OUT"/value/run.*.log | tail -n 60

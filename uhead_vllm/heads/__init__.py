@@ -12,7 +12,7 @@ from .base import (
     head_names,
     identity_from_hf_config,
 )
-from .io import HEAD_DIR_ENV, default_head_dir, load_head, load_head_for_model
+from .io import HEAD_DIR_ENV, default_head_dir, load_head, load_head_for_model, ranking_head_dir
 from .linear import LinearProbeHead
 from .ranking import RankingProbeHead
 
@@ -32,4 +32,5 @@ __all__ = [
     "identity_from_hf_config",
     "load_head",
     "load_head_for_model",
+    "ranking_head_dir",
 ]

@@ -21,6 +21,13 @@ def default_head_dir() -> Path:
     return Path(env).expanduser() if env else Path(__file__).resolve().parent / "default"
 
 
+def ranking_head_dir() -> Path:
+    """``uhead_vllm/heads/value_ranking/``: the ranking head of the value study (docs/value_study.md),
+    trained on the sibling candidates best-of-n chooses between, for the embedded model; pass it as
+    ``head_dir`` where a step scorer for best-of-n or beam search is wanted."""
+    return Path(__file__).resolve().parent / "value_ranking"
+
+
 def load_head(
     directory: str | Path,
     expect_model_identity: dict[str, Any] | None = None,

@@ -123,7 +123,8 @@ class RankingProbeHead(UncertaintyHead):
             loss.backward()
             return loss
 
-        final = float(opt.step(loss_fn).detach())
+        opt.step(loss_fn)  # returns the loss *before* its iterations
+        final = float(loss_fn().detach())
         self.scaler_mean_ = mean
         self.scaler_scale_ = scale
         self.coef_ = coef.detach().numpy().copy()
