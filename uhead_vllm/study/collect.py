@@ -174,7 +174,7 @@ class CollectWorker:
             from ..scoring.answer import build_job_generator
 
             generator = build_job_generator(self.job.model, self.job.layers, **self.job.engine)
-        dtype = str(generator.client.settings.dtype).removeprefix("torch.")
+        dtype = generator.client.settings.dtype
         if list(generator.layers) != list(self.job.layers) or dtype != self.job.capture_dtype:
             raise ValueError(f"the generator captures layers {list(generator.layers)} as {dtype}; the job asks "
                              f"for {self.job.layers} as {self.job.capture_dtype}")
