@@ -90,6 +90,33 @@ def test_collect_writes_manifest_answers_and_exact_rows(tiny, dataset):
     assert not seen & {a.question for a in StudyDataset(test_out).answers}
 
 
+def test_compare_datasets_sees_one_changed_value_and_ignores_creation_time(dataset, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from uhead_vllm.study.data import compare_datasets
+
+    out, _ = dataset
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    manifest["created"] = "another time"
+    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert compare_datasets(out, copy)["identical"]
+    shard = sorted(copy.glob("shard-*.safetensors"))[0]
+    with safe_open(str(shard), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k in tensors if k.endswith(".hidden"))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] += 0.5
+    save_file(tensors, str(shard), metadata=meta)
+    diff = compare_datasets(out, copy)
+    assert not diff["identical"] and diff["tensors_differing"] == 1 and diff["answers_identical"]
+    assert diff["max_abs_diff"] == pytest.approx(0.5, rel=0.02)  # bf16 rows
+
+
 def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     model, gen, _ = tiny
     out, _ = dataset

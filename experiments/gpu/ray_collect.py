@@ -27,25 +27,6 @@ ENGINE = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization":
           "kv_cache_memory_bytes": 8 << 30, "max_num_seqs": 256, "max_model_len": 1024, "block_size": 16}
 
 
-def compare(a: Path, b: Path) -> dict[str, Any]:
-    """Identical answers file and tensors? Else the largest difference seen."""
-    import torch
-    from safetensors import safe_open
-
-    same_answers = (a / "answers.jsonl").read_bytes() == (b / "answers.jsonl").read_bytes()
-    differing, worst = 0, 0.0
-    for shard in sorted(a.glob("shard-*.safetensors")):
-        with safe_open(str(shard), "pt") as fa, safe_open(str(b / shard.name), "pt") as fb:
-            for key in fa.keys():
-                x, y = fa.get_tensor(key), fb.get_tensor(key)
-                if x.shape != y.shape or not torch.equal(x, y):
-                    differing += 1
-                    if x.shape == y.shape and x.is_floating_point():
-                        worst = max(worst, float((x.float() - y.float()).abs().max()))
-    return {"answers_identical": same_answers, "tensors_differing": differing, "max_abs_diff": worst,
-            "identical": same_answers and differing == 0}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", required=True)
@@ -64,6 +45,7 @@ def main() -> None:
     from uhead_vllm.scaleout import RayOptions
     from uhead_vllm.scoring.recipe import GenerationRecipe
     from uhead_vllm.study.collect import collect, plan_job
+    from uhead_vllm.study.data import compare_datasets
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "ray-collect"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -96,7 +78,7 @@ def main() -> None:
                            "layers": [0, 15, 30], "model": "random-weight SmolLM2-135M shape, bf16"},
               "runs": runs}
     if len(paths) == 2:
-        result["comparison"] = compare(paths[1], paths[gpus])
+        result["comparison"] = compare_datasets(paths[1], paths[gpus])
         result["scaling_steady"] = runs[gpus]["rows_per_s_steady"] / runs[1]["rows_per_s_steady"]
         result["scaling_wall"] = runs[gpus]["rows_per_s"] / runs[1]["rows_per_s"]
     out = Path(args.out)

@@ -31,19 +31,6 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
-def _same(a: Path, b: Path) -> bool:
-    from safetensors import safe_open
-    import torch
-
-    if (a / "answers.jsonl").read_bytes() != (b / "answers.jsonl").read_bytes():
-        return False
-    for shard in sorted(a.glob("shard-*.safetensors")):
-        with safe_open(str(shard), "pt") as fa, safe_open(str(b / shard.name), "pt") as fb:
-            if set(fa.keys()) != set(fb.keys()) or not all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys()):
-                return False
-    return True
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--questions", type=int, default=96)
@@ -56,6 +43,7 @@ def main() -> None:
 
     from uhead_vllm.models import embedded_model_path
     from uhead_vllm.scaleout import RayOptions
+    from uhead_vllm.study.data import compare_datasets
     from uhead_vllm.scoring.recipe import GenerationRecipe
     from uhead_vllm.study.collect import collect, plan_job
     from uhead_vllm.study.commands import DEFAULT_LAYERS
@@ -78,7 +66,7 @@ def main() -> None:
             print(json.dumps(runs[replicas]), flush=True)
     finally:
         ray.shutdown()
-    identical = _same(paths[1], paths[2])
+    identical = compare_datasets(paths[1], paths[2])["identical"]
     shutil.rmtree(tmp, ignore_errors=True)
     meta = {"commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "uhead_vllm") else ""),
             "command": "python -m experiments.scaleout.bench_ray " + " ".join(sys.argv[1:]),

@@ -135,6 +135,9 @@ class CollectJob:
     def unit_questions(self, unit: int) -> list[tasks.Question]:
         return [tasks.Question(**q) for q in self.questions[unit * self.batch_size : (unit + 1) * self.batch_size]]
 
+    def unit_size(self, unit: int) -> int:
+        return min(self.batch_size, len(self.questions) - unit * self.batch_size)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -206,7 +209,7 @@ def collect(job: CollectJob, *, generator: Any = None, ray: RayOptions | None = 
     resumed = partial.open(overwrite=overwrite)
     finished = set(resumed)
     todo = [u for u in range(job.n_units) if u not in finished]
-    already = sum(len(job.unit_questions(u)) for u in resumed)
+    already = sum(job.unit_size(u) for u in resumed)
     bar = tqdm(total=len(job.questions), initial=already, desc=f"collect {Path(job.out).name}", unit="question",
                disable=not progress)
     tally = {"answers": 0, "correct": 0, "rows": 0}

@@ -164,3 +164,37 @@ class StudyDataset:
             with safe_open(str(self.path / shard), framework="pt") as f:
                 for r in recs:
                     yield r, self._read(f, r)
+
+
+def compare_datasets(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Are two datasets the same data (e.g. one collected on one replica, one on several)?
+
+    Same file names, ``answers.jsonl`` byte for byte, every shard tensor bit for bit and manifests
+    equal but for ``created``. Shard *bytes* are not compared: safetensors writes its header
+    metadata from a hash map, so equal shards can differ in byte order. ``max_abs_diff`` is the
+    largest difference of differing float tensors of equal shape (0.0 when none differ).
+    """
+    import torch
+
+    a, b = Path(a), Path(b)
+    names = sorted(p.name for p in a.iterdir())
+    same_names = names == sorted(p.name for p in b.iterdir())
+    ma, mb = (json.loads((d / MANIFEST_FILE).read_text()) for d in (a, b))
+    ma.pop("created", None), mb.pop("created", None)
+    answers = (a / "answers.jsonl").read_bytes() == (b / "answers.jsonl").read_bytes()
+    differing, worst = 0, 0.0
+    for name in names:
+        if not (name.endswith(".safetensors") and (b / name).is_file()):
+            continue
+        with safe_open(str(a / name), "pt") as fa, safe_open(str(b / name), "pt") as fb:
+            keys = set(fa.keys())
+            differing += len(keys ^ set(fb.keys()))
+            for key in keys & set(fb.keys()):
+                x, y = fa.get_tensor(key), fb.get_tensor(key)
+                if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+                    differing += 1
+                    if x.shape == y.shape and x.is_floating_point() and y.is_floating_point():
+                        worst = max(worst, float((x.float() - y.float()).abs().max()))
+    return {"same_files": same_names, "manifests_equal": ma == mb, "answers_identical": answers,
+            "tensors_differing": differing, "max_abs_diff": worst,
+            "identical": same_names and ma == mb and answers and differing == 0}
