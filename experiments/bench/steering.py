@@ -1,9 +1,11 @@
-"""Steering cost side by side: ``python -m experiments.bench.steering [--tiny] [--reps N]``.
+"""Steering and capture-point cost side by side: ``python -m experiments.bench.steering [--tiny] [--reps N]``.
 
-Three configurations, eager, in one process, timed round-robin (order reversed every other
+Four configurations, eager, in one process, timed round-robin (order reversed every other
 repeat) on fresh prompts each repeat, so neither the prefix cache nor machine drift favours one:
 
 - ``capture``: an engine capturing residual layers, without steering hooks (today's engine);
+- ``capture-points``: the same layers plus the four points inside decoder layers (``attn_in``,
+  ``attn_out``, ``mlp_in``, ``mlp_out``) at three layers, read by eager hooks (12 more columns);
 - ``steer-engine-plain``: an engine built with ``steering=True``, requests not steering (the cost
   of the idle hooks);
 - ``steer-engine-steered``: the same engine, every request steering ``mlp_out`` of two layers
@@ -27,7 +29,8 @@ from .env import REPO_ROOT, setup_env
 from .run import _git_commit
 
 OUT = REPO_ROOT / "experiments" / "results" / "bench"
-CONFIGS = ("capture", "steer-engine-plain", "steer-engine-steered")
+CONFIGS = ("capture", "capture-points", "steer-engine-plain", "steer-engine-steered")
+POINTS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 
 def _prompts(rep: int, n: int) -> list[str]:
@@ -62,19 +65,22 @@ def main(argv: list[str] | None = None) -> dict:
     layers = (0, n_layers // 2, n_layers)
     engine = dict(SMALL_CPU_ENGINE)
     gens = {"capture": VllmHiddenStatesGenerator(build_llm(model, layers, **engine))}
+    points = [(p, k) for k in (n_layers // 3, n_layers // 2, 2 * n_layers // 3) for p in POINTS]
+    gens["capture-points"] = VllmHiddenStatesGenerator(build_llm(model, layers, points=points, **engine))
     gens["steer"] = VllmHiddenStatesGenerator(build_llm(model, layers, steering=True, **engine))
     vec = (0.05 * torch.randn(hidden, generator=torch.Generator().manual_seed(0))).tolist()
     steer = [{"point": "mlp_out", "layer": n_layers // 3, "vector": vec, "scale": 2.0},
              {"point": "mlp_out", "layer": 2 * n_layers // 3, "vector": vec, "scale": 2.0},
              {"point": "resid_post", "layer": n_layers // 2, "vector": vec, "scale": 1.0}]
     base = dict(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    params = {"capture": SamplingParams(**base), "steer-engine-plain": SamplingParams(**base),
+    params = {"capture": SamplingParams(**base), "capture-points": SamplingParams(**base),
+              "steer-engine-plain": SamplingParams(**base),
               "steer-engine-steered": SamplingParams(**base, extra_args={"uhead_steer": steer})}
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     for rep in range(-1, args.reps):  # rep -1 warms every configuration up
         order = CONFIGS if rep % 2 == 0 else tuple(reversed(CONFIGS))
         for c in order:
-            gen = gens["capture" if c == "capture" else "steer"]
+            gen = gens[c if c in gens else "steer"]
             prompts = _prompts(rep * 10 + CONFIGS.index(c), args.prompts)
             t0, c0 = time.perf_counter(), time.process_time()
             res = gen.generate(prompts, params[c])
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                          if (argv if argv is not None else sys.argv[1:]) else "")
     result = {
         "git_commit": _git_commit(), "command": command, "model": Path(model).name,
-        "engine": {k: v for k, v in engine.items()}, "layers": list(layers),
+        "engine": {k: v for k, v in engine.items()}, "layers": list(layers), "points": points,
         "workload": {"prompts": args.prompts, "max_tokens": args.tokens, "greedy": True, "reps": args.reps},
         "steering": [{k: v for k, v in t.items() if k != "vector"} | {"vector_norm": float(torch.tensor(vec).norm())}
                      for t in steer],
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_steered_vs_plain_same_engine": paired("steer-engine-steered", "steer-engine-plain"),
         "ratio_steered_vs_capture_engine": paired("steer-engine-steered", "capture"),
         "ratio_idle_hooks_vs_capture_engine": paired("steer-engine-plain", "capture"),
+        "ratio_points_vs_layers_only": paired("capture-points", "capture"),
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "steering.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -112,12 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
 def _markdown(r: dict) -> str:
     w = r["workload"]
     rows = "\n".join(f"| {c} | {r['tok_per_s_median'][c]:.1f} |" for c in CONFIGS)
-    return (f"# Steering cost\n\nCommit `{r['git_commit']}`, command `{r['command']}`, model {r['model']}, eager, "
+    return (f"# Steering and capture-point cost\n\nCommit `{r['git_commit']}`, command `{r['command']}`, model {r['model']}, eager, "
             f"fp32, layers {r['layers']} captured, {w['prompts']} prompts x {w['max_tokens']} greedy tokens, "
             f"{w['reps']} interleaved repeats (median).\n\n| configuration | tok/s |\n|---|---:|\n{rows}\n\n"
             f"- steered / plain requests, same engine: **{r['ratio_steered_vs_plain_same_engine']:.3f}x**\n"
             f"- steered requests / engine without steering hooks: {r['ratio_steered_vs_capture_engine']:.3f}x\n"
-            f"- idle steering hooks / engine without them: {r['ratio_idle_hooks_vs_capture_engine']:.3f}x\n")
+            f"- idle steering hooks / engine without them: {r['ratio_idle_hooks_vs_capture_engine']:.3f}x\n"
+            f"- capture points ({len(r['points'])} sites: {', '.join(POINTS)} at 3 layers) / layers only: "
+            f"**{r['ratio_points_vs_layers_only']:.3f}x**\n")
 
 
 if __name__ == "__main__":
