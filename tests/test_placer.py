@@ -38,7 +38,8 @@ def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
     redo = torch.full((1, 1, 2), 99.0)  # position 1 of tag 7 forwarded again (a rejected draft)
     placer.submit(gate, dest, redo, torch.tensor([1]), *arrays([0], [4], [1]))
     gate.opened.set()
-    assert placer.drain() is None
+    error, seconds = placer.drain()
+    assert error is None and seconds > 0
     assert torch.equal(dest.buffer[0], prefill[0]) and torch.equal(dest.buffer[1], redo[0])
     assert torch.equal(dest.buffer[2], prefill[2])
     assert torch.equal(dest.buffer[4:6], prefill[3:5]) and bool((dest.buffer[6:] == -1).all())
@@ -50,7 +51,7 @@ def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():
     rows = torch.ones(4, 1, 1)
     # tag 1 at positions 1, 2 (2 is past its capacity), an unknown tag (first = -1), tag 2 at 0
     placer.submit(None, dest, rows, torch.tensor([1, 2, 0, 0]), *arrays([0, -1, 2], [2, 0, 2], [2, 1, 1]))
-    assert placer.drain() is None
+    assert placer.drain()[0] is None
     assert dest.buffer.flatten().tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
@@ -61,10 +62,10 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
     gate.opened.set()
     placer.submit(gate, dest, torch.ones(1, 1, 5), torch.tensor([0]), *arrays([0], [2], [1]))  # wrong width
     placer.submit(gate, dest, torch.ones(1, 1, 3), torch.tensor([1]), *arrays([0], [2], [1]))
-    error = placer.drain()
+    error, _ = placer.drain()
     assert error is not None and "placing captured rows failed" in error
     assert dest.buffer[1].flatten().tolist() == [1.0, 1.0, 1.0]
-    assert placer.drain() is None  # reported once
+    assert placer.drain()[0] is None  # reported once
 
 
 def test_destination_refuses_slots_outside_its_buffer():
@@ -104,3 +105,21 @@ def test_placed_rows_cross_a_process_boundary_as_metadata_only():
     assert back.placed and back.hidden_parts == [] and back.positions.tolist() == [0, 1]
     with pytest.raises(ValueError, match="placed into the caller's RowDestination"):
         back.hidden
+
+
+def test_host_buffer_is_a_writable_tensor_that_keeps_its_mapping_alive():
+    from uhead_vllm.generation.host_memory import MIN_HUGE_BUFFER_BYTES, host_buffer
+
+    rows = MIN_HUGE_BUFFER_BYTES // (2 * 64 * 2) + 7  # past the plain-allocation size, odd length
+    with torch.inference_mode():  # made outside inference mode all the same (the store reads versions)
+        buffer = host_buffer((rows, 2, 64), torch.bfloat16)
+    assert buffer.shape == (rows, 2, 64) and buffer.dtype == torch.bfloat16 and not torch.is_inference(buffer)
+    assert buffer.untyped_storage().nbytes() == rows * 2 * 64 * 2
+    tail = buffer[-3:]
+    buffer[-3:] = (torch.arange(3 * 2 * 64) % 200).view(3, 2, 64)
+    assert buffer._version > 0
+    del buffer
+    import gc
+
+    gc.collect()
+    assert tail.float().flatten().tolist() == [float(i % 200) for i in range(3 * 2 * 64)]

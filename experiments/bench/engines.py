@@ -206,6 +206,7 @@ class Runner:
                                 "rows_recomputed": st.rows_recomputed,
                                 "prefix_cache_rows": st.prefix_cache_rows,
                                 "rows_placed_during_generation": self._rows_placed,
+                                "record_seconds": st.record_seconds, "place_seconds": st.place_seconds,
                                 "held_bytes": st.held_bytes})
 
     def warmup(self, workload: Workload) -> None:

@@ -73,8 +73,31 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
         result["batches"][str(b * N)] = {
             "tok_per_s": max(r.tok_per_s for r in runs), "seconds": [r.seconds for r in runs],
             "generated_tokens": runs[0].generated_tokens, "rows": runs[0].rows, "extra": runs[-1].extra}
+    if spec["kind"] in ("plain", "ours"):
+        result["fanout"] = fanout(runner, prompts[: max(BATCHES)], AutoTokenizer.from_pretrained(model))
     runner.close()
     return result
+
+
+def fanout(runner: Any, prompts: list[str], tokenizer: Any) -> dict[str, Any]:
+    """The largest batch sent to ``runner``'s vLLM directly as the capture generator sends it:
+    token ids, one n=1 request per sample, no capture tags. On the plain engine this prices the
+    request form (vs n=4 requests of text); on the capturing engine it prices the aux outputs in
+    the graph without any recording, so plain -> fan-out -> aux engine -> capture splits the cost."""
+    from vllm import SamplingParams
+
+    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
+    inputs = [x for x in ids for _ in range(N)]
+    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    seconds = []
+    for _ in range(REPS):
+        if not runner.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        t0 = time.perf_counter()
+        outs = runner.llm.generate(inputs, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - t0)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"sequences": len(inputs), "seconds": seconds, "tok_per_s": tokens / min(seconds)}
 
 
 def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
@@ -100,6 +123,21 @@ def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> s
         extra = r["batches"][big]["extra"]
         cells = [extra.get("vllm_generate_seconds"), extra.get("fetch_seconds"), extra.get("assembly_seconds")]
         lines.append(f"| {name} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    fan = {name: r["fanout"] for name, r in by.items() if "fanout" in r}
+    if fan:
+        lines += ["", f"The same {big} sequences sent to each engine's vLLM directly as the generator sends "
+                  "them (token ids, one n=1 request per sample, no capture tags): on `plain-graphs` the "
+                  "price of the request form, on `ours-graphs` the price of the aux outputs in the graph "
+                  "without recording. Recording: host seconds on the engine's thread (`record`) and "
+                  "in the placer thread beside it (`place`), last repeat.", "",
+                  "| config | fan-out tok/s (x plain-graphs) | record s | place s |", "|---|---|---|---|"]
+        base = by.get("plain-graphs", {}).get("batches", {}).get(big, {}).get("tok_per_s")
+        for name, f in fan.items():
+            extra = by[name]["batches"][big]["extra"]
+            ratio = f" ({f['tok_per_s'] / base:.3f})" if base else ""
+            rec, pl = extra.get("record_seconds"), extra.get("place_seconds")
+            lines.append(f"| {name} | {f['tok_per_s']:,.0f}{ratio} | " + " | ".join(
+                "-" if c is None else f"{c:.3f}" for c in (rec, pl)) + " |")
     failed = [r for r in results if "batches" not in r]
     for r in failed:
         lines += ["", f"**{r['name']} failed**: {r.get('error', '?')[-500:]}"]
@@ -130,6 +168,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from experiments.gpu.models import SHAPES, build_model
+    from uhead_vllm.generation.host_memory import huge_pages_setting
 
     import torch
     import vllm
@@ -143,6 +182,7 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
             "tensor_parallel_size": args.tp, "gpus": torch.cuda.device_count(),
+            "transparent_huge_pages": huge_pages_setting(),
             "workload": {"batches_prompts": BATCHES, "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
                          "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
     results = []

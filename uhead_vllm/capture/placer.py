@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ class Placer:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
+        self._seconds = 0.0
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
                chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
@@ -52,11 +54,13 @@ class Placer:
             self._thread.start()
         self._queue.put(item)
 
-    def drain(self) -> str | None:
-        """Wait until every submitted step is placed; the first error since the last drain, if any."""
+    def drain(self) -> tuple[str | None, float]:
+        """Wait until every submitted step is placed. Returns the first error since the last
+        drain, if any, and the seconds spent placing since then (waits for copies excluded)."""
         self._queue.join()
         error, self._error = self._error, None
-        return error
+        seconds, self._seconds = self._seconds, 0.0
+        return error, seconds
 
     def _run(self) -> None:
         while True:
@@ -71,7 +75,9 @@ class Placer:
         try:
             if ready is not None:
                 ready.synchronize()
+            start = time.perf_counter()
             place_step(dest, hidden, positions, chunk_first, chunk_capacity, lens)
+            self._seconds += time.perf_counter() - start
         except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
             if self._error is None:
                 self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"

@@ -15,6 +15,7 @@ last two means capture missed rows (never the prefix cache: cached tokens are no
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,8 @@ class RowRecorder:
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
     _copied: object = None  # CUDA event after the last device-to-host copy
+    _copy_stream: object = None  # CUDA stream of the device-to-host copies
+    record_seconds: float = 0.0  # host time the engine's thread spent recording (this generation)
     destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
 
@@ -100,6 +103,14 @@ class RowRecorder:
         """Record the tagged rows of one forward. ``streams`` (layer-hook route) replace
         ``step.aux``; both are in sorted HF-index order. ``points`` are the sublayer sites'
         values in ``settings.points`` order (columns after the layers)."""
+        start = time.perf_counter()
+        try:
+            self._record(step, streams, points)
+        finally:
+            self.record_seconds += time.perf_counter() - start
+
+    def _record(self, step: StepOutputs, streams: list[torch.Tensor] | None,
+                points: list[torch.Tensor] | None) -> None:
         self.forwards_seen += 1
         source = step.aux if streams is None else streams
         if self.error is not None or not self.scheduled_rows or not source:
@@ -155,13 +166,20 @@ class RowRecorder:
         self.rows_recorded += n_rows
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """Host copy of a freshly gathered tensor; on a GPU asynchronous into pinned memory."""
+        """Host copy of a freshly gathered tensor; on a GPU asynchronous into pinned memory, on a
+        stream of its own, so the next step's forward never queues behind the copy."""
         if t.device.type != "cuda":
             return t  # already a new tensor (stack/cat copy), never an engine buffer
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=t.device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(t.device))  # the gather that made ``t``
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        t.record_stream(stream)  # the allocator must not hand ``t`` out again before the copy ran
         self._copied = event
         return host
 
@@ -174,13 +192,14 @@ class RowRecorder:
 
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""
-        placing_error = self._placer.drain()
+        placing_error, place_seconds = self._placer.drain()
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
             self._copied = None
         stats = {"forwards_seen": self.forwards_seen, "forwards_expected": self.forwards_expected,
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
-                 "rows_recorded": self.rows_recorded, "bytes": self.bytes_held}
+                 "rows_recorded": self.rows_recorded, "bytes": self.bytes_held,
+                 "record_seconds": round(self.record_seconds, 6), "place_seconds": round(place_seconds, 6)}
         rows = self._rows(self.steps)
         rows.error = self.error or placing_error
         rows.stats = stats
@@ -189,6 +208,7 @@ class RowRecorder:
         self.error = None
         self.destination = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
+        self.record_seconds = 0.0
         self.rows_expected = self.rows_recorded = 0
         return rows
 

@@ -25,6 +25,7 @@ from ..capture.protocol import CapturedRows, RequestTag, RowDestination
 from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
+from .host_memory import host_buffer
 from .prefix_store import PrefixRowStore, buffer_address, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import SteeredRequest, steer_request, step_key
@@ -78,6 +79,8 @@ class GenerationStats:
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
     forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
+    record_seconds: float = 0.0  # worker time on the engine's thread recording rows (first pass)
+    place_seconds: float = 0.0  # worker time writing rows into place beside the engine (first pass)
     rows_from_store: int = 0
     rows_recomputed: int = 0
     recompute_requests: int = 0
@@ -355,6 +358,8 @@ class VllmHiddenStatesGenerator:
         expected = int(captured.stats.get("rows_expected", captured.num_rows))
         stats.forwards_seen = int(captured.stats.get("forwards_seen", 0))
         stats.forwards_recorded = int(captured.stats.get("forwards_recorded", 0))
+        stats.record_seconds = float(captured.stats.get("record_seconds", 0.0))
+        stats.place_seconds = float(captured.stats.get("place_seconds", 0.0))
         missed = expected - captured.num_rows
         if missed <= 0:
             return
@@ -430,8 +435,7 @@ class VllmHiddenStatesGenerator:
             capacity = torch.tensor([destination.slots[t][1] for t in tags], dtype=torch.int64)
         else:
             dtype = captured.hidden_parts[0].dtype if captured.num_rows else self.client.settings.torch_dtype
-            with torch.inference_mode(False):  # the store relies on the buffer's version counter
-                buffer = torch.empty((total, self.columns, self.hidden_size), dtype=dtype)
+            buffer = host_buffer((total, self.columns, self.hidden_size), dtype)
             first, capacity = cum[:-1], lens
         with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)

@@ -22,6 +22,7 @@ from ...capture.protocol import (
     decode_rows,
 )
 from ...errors import InputError
+from ..host_memory import host_buffer
 from .base import raise_if_engine_dead
 
 
@@ -112,8 +113,7 @@ class AuxClient:
         can be had (the rows then come back with ``fetch``)."""
         dtype = self.settings.dtype
         if engine_internals.worker_in_process(self.llm):
-            with torch.inference_mode(False):  # the row store relies on the buffer's version counter
-                destination = RowDestination(torch.empty(shape, dtype=self.settings.torch_dtype), slots)
+            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots)
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return destination if placed else None
         shared = create_shared_destination(shape, dtype, slots)
