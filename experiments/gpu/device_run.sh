@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU machine, after vLLM's wheel parts are installed into $W/site (../shared/gpu/README.md):
+# the GPU tests or the throughput benchmark, everything a reader needs written under $OUT.
+#   bash experiments/gpu/device_run.sh pytest                    # tests/gpu, parity files as one tgz
+#   bash experiments/gpu/device_run.sh bench SHAPE [bench args]  # SHAPE: smollm2 | llama8b
+#   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh bench ...  # vLLM's default separate engine process
+# The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
+# UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
+set -uo pipefail
+W=$(python3 -c "import tempfile; print(tempfile.gettempdir())")/w
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=$W/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
+what=$1; shift
+case $what in
+  pytest)
+    rm -rf "$W/parity"; mkdir -p "$W/parity"
+    UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$W/parity timeout "${TIMEOUT:-300}" \
+      python3 -m pytest tests/gpu -n 5 -q -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
+    echo "pytest exit $?"; tail -n 3 "$OUT/pytest-gpu.log"
+    tar czf "$OUT/parity.tgz" -C "$W/parity" . ;;
+  bench)
+    shape=$1; shift
+    dir=$OUT/bench-$shape$([ "${ENGINE_PROCESS:-0}" = 1 ] && echo -engine-process)
+    mkdir -p "$dir"
+    timeout "${TIMEOUT:-540}" python3 -m experiments.gpu.bench_gpu --shape "$shape" --tokenizer .gpu/tok \
+      --out "$dir" "$@" 2>&1 | grep -E "^\[bench\]|Error" | tail -n 20
+    cat "$dir"/bench-*.md 2>/dev/null | tail -n 16 ;;
+  *) echo "unknown: $what (pytest | bench SHAPE)"; exit 2 ;;
+esac
