@@ -1,7 +1,8 @@
 """``uhead-vllm serve``: a real server process on localhost, the real ``openai`` client.
 
-One tiny-model server serves the whole module (fp32 rows, layers 0/2/4, prefix caching on,
-32-token blocks); returned rows are checked against Hugging Face's forward on the same ids.
+One tiny-model server serves the whole module (fp32 rows, layers 0/2/4 and five capture points,
+steering, prefix caching on, 32-token blocks); returned rows are checked against Hugging Face's
+forward on the same ids (point columns: HF forward hooks on the same modules).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from reference import hf_rows, relative_error
 from serving_server import build_tiny_head, serve
 
 LAYERS = [0, 2, 4]
+#: The server's --points (one alias) and the canonical sites they name, in column order.
+SERVER_POINTS = ["pre_attn.0", "attn_out.1", "mlp_out.1", "mlp_in.3", "mlp_out:3"]
+SITES = [("attn_in", 0), ("attn_out", 1), ("mlp_out", 1), ("mlp_in", 3), ("mlp_out", 3)]
 HEAD_LAYERS = [2, 4]
 PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
           "check each step twice before you give the final answer to the question below. ")
@@ -39,7 +43,7 @@ def server(tiny_models, tmp_path_factory, head_path):
     yield from serve(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
                       "--capture-dtype", "float32", "--max-model-len", "512",
                       "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-                      "--served-model-name", "tiny", "--steering"], log)
+                      "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +58,26 @@ def rows_of(unc: dict) -> tuple[torch.Tensor, list[int]]:
     return t["hidden"], t["token_ids"].tolist()
 
 
-def check_rows(model, unc: dict, layers=LAYERS, tol: float = 1e-4) -> int:
+def check_rows(model, unc: dict, layers=LAYERS, tol: float = 1e-4, points=()) -> int:
+    """Rows (layers, then points) equal HF's forward (points: hooks on the same modules); returns
+    their count. ``ERRORS`` keeps the largest error seen per kind of column."""
     hidden, ids = rows_of(unc)
-    assert hidden.shape[0] == len(ids) and hidden.shape[1] == len(layers)
-    err = relative_error(hidden, hf_rows(model, ids, layers))
+    assert hidden.shape[0] == len(ids) and hidden.shape[1] == len(layers) + len(points)
+    assert unc["rows"]["layers"] == list(layers) and unc["rows"]["points"] == [f"{p}.{k}" for p, k in points]
+    ref = hf_point_run(model, ids, layers, points)[0] if points else hf_rows(model, ids, layers)
+    err = relative_error(hidden, ref)
     assert err < tol, err
+    _note("layers", relative_error(hidden[:, : len(layers)], ref[:, : len(layers)]) if layers else 0.0)
+    if points:
+        _note("points", relative_error(hidden[:, len(layers):], ref[:, len(layers):]))
     return hidden.shape[0]
+
+
+ERRORS: dict[str, float] = {}
+
+
+def _note(kind: str, err: float) -> None:
+    ERRORS[kind] = max(ERRORS.get(kind, 0.0), err)
 
 
 def chat(client, content: str, **kw):
@@ -200,6 +218,34 @@ def test_concurrent_requests_with_shared_prefixes_never_mix_rows(client, server,
     assert status["running_requests"] == 0 and status["worker_bytes_held"] == 0
 
 
+def test_capture_points_are_served_named_and_equal_hf_hooks(client, server, tiny_models):
+    """Point columns come back after the layers, named (aliases resolved) in the order asked, equal
+    to HF forward hooks on the same modules and ids: n=2 over a prefix-cached prompt, completions
+    with every captured column (``rows: {}``), and the typed client asking for a point alone."""
+    from uhead_vllm.client import UncertaintyClient, decode_rows
+
+    model = tiny_models["llama"]
+    sites = [("mlp_out", 3), ("attn_in", 0), ("attn_out", 1)]
+    body = {"uncertainty": {"rows": {"layers": [0, 4], "points": ["mlp_out.3", ["pre_attn", 0], "post_attn.1"]}}}
+    filled = lambda: sum(server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed"))
+    before = filled()
+    for _ in range(2):  # prefix-cached prompt blocks: their rows come from the row store
+        res = chat(client, PREFIX + "What is 4 + 9?", n=2, max_tokens=12, temperature=1.0, seed=5, extra_body=body)
+        for c in res.choices:
+            check_rows(model, c.model_extra["uncertainty"], layers=[0, 4], points=sites)
+    assert filled() > before
+    r = client.completions.create(model="tiny", prompt=PREFIX + "7 - 2 =", max_tokens=8, temperature=0,
+                                  extra_body={"uncertainty": {"steps": False, "rows": {}}})
+    check_rows(model, r.choices[0].model_extra["uncertainty"], layers=LAYERS, points=SITES)
+    [typed] = UncertaintyClient(server.url, max_retries=0).chat(PREFIX + "What is 4 + 9?", max_tokens=8,
+                                                                points=[("mlp_in", 3)])
+    hidden, ids, columns = decode_rows(typed.rows)
+    assert columns == ["mlp_in.3"] and hidden.shape == (len(ids), 1, 128)
+    assert relative_error(hidden, hf_point_run(model, ids, [], [("mlp_in", 3)])[0]) < 1e-4
+    assert server.get_json("/uhead/info")["captured_points"] == [f"{p}.{k}" for p, k in SITES]
+    print(f"\nmax relative error vs HF so far: {ERRORS}")
+
+
 def post(server, path: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
@@ -216,6 +262,10 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
     ({"stepz": True}, "unknown key"),
     ({"rows": {"layers": [1]}}, "not captured"),
     ({"rows": {"layers": [0]}, "max_bytes": 1000}, "budget exceeded"),
+    ({"rows": {"points": ["mlp_out.2"]}}, "not captured by this server"),
+    ({"rows": {"points": ["mlp_out"]}}, "'point.layer'"),
+    # 8 tokens x 1 column x 128 x 4 bytes fit; the point's column makes it 2: the budget counts it
+    ({"rows": {"layers": [0], "points": ["mlp_out.1"]}, "max_bytes": 8 * 128 * 4}, "2 column(s)"),
     ({"head": "other"}, "unknown head"),
     ({"max_bytes": 1 << 40}, "exceeds this server's limit"),
 ])
@@ -260,22 +310,27 @@ def test_steered_requests_get_steered_rows_and_tokens_and_plain_ones_stay_plain(
     vec = [((i % 7) - 3) * 0.05 for i in range(hidden)]
     term = {"point": "mlp_out", "layer": 1, "vector": vec, "scale": 8.0, "tokens": "all"}
     q = PREFIX + "What is 6 + 7?"
-    want_rows = {"uncertainty": {"rows": {"layers": LAYERS}}}
+    want_rows = {"uncertainty": {"rows": {"layers": LAYERS, "points": [f"{p}.{k}" for p, k in SITES]}}}
     steered = [chat(client, q, max_tokens=10, temperature=0, extra_body={"steer": [term], **want_rows})
                for _ in range(2)]
     for res in steered:
         rows, ids = rows_of(res.choices[0].model_extra["uncertainty"])
-        ref, logits = hf_point_run(model, ids, LAYERS, steer=[("mlp_out", 1, vec, 8.0, 0)])
-        assert relative_error(rows, ref[: rows.shape[0]]) < 1e-4
+        ref, logits = hf_point_run(model, ids, LAYERS, SITES, steer=[("mlp_out", 1, vec, 8.0, 0)])
+        err = relative_error(rows, ref[: rows.shape[0]])  # point columns included: they see the steered stream
+        assert err < 1e-4, err
+        _note("steered", err)
         prompt_len = len(ids) + 1 - res.usage.completion_tokens  # the rows' ids lack the last sampled token
         assert logits[prompt_len - 1 : len(ids) - 1].argmax(-1).tolist() == ids[prompt_len:]  # greedy under steering
     assert steered[0].choices[0].message.content == steered[1].choices[0].message.content
     plain = chat(client, q, max_tokens=10, temperature=0, extra_body=want_rows)
     plain_rows, plain_ids = rows_of(plain.choices[0].model_extra["uncertainty"])
-    assert relative_error(plain_rows, hf_rows(model, plain_ids, LAYERS)) < 1e-4
+    assert relative_error(plain_rows, hf_point_run(model, plain_ids, LAYERS, SITES)[0]) < 1e-4
     first, _ = rows_of(steered[0].choices[0].model_extra["uncertainty"])
     n = min(first.shape[0], plain_rows.shape[0])
     assert not torch.allclose(first[:n, 2], plain_rows[:n, 2])  # the steering changed layer 2 onwards
+    mlp_out_1 = len(LAYERS) + SITES.index(("mlp_out", 1))
+    assert not torch.allclose(first[:n, mlp_out_1], plain_rows[:n, mlp_out_1])  # ... and the steered point
+    print(f"\nmax relative error vs HF so far: {ERRORS}")
 
 
 def test_bad_steering_is_a_400(client):

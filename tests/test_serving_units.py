@@ -14,6 +14,7 @@ from uhead_vllm.serving.spec import (BadUncertaintyRequest, ServerLimits, Uncert
                                      check_user_xargs, parse_uncertainty)
 
 LIMITS = ServerLimits((0, 2, 4), 128, "h", 1 << 20)
+WITH_POINTS = ServerLimits((0, 2, 4), 128, "h", 1 << 20, (("attn_in", 0), ("mlp_out", 1)))
 
 
 def test_spec_defaults_and_errors():
@@ -46,6 +47,56 @@ def test_row_budget_and_reserved_xargs():
     check_user_xargs({"other": 1})
     with pytest.raises(BadUncertaintyRequest, match="reserved"):
         check_user_xargs({"uhead_vllm": "x"})
+
+
+def test_rows_with_points_defaults_aliases_errors_and_budget():
+    def rows(value, limits=WITH_POINTS):
+        return parse_uncertainty({"rows": value}, limits).rows
+
+    assert (rows({}).layers, rows({}).points) == ((0, 2, 4), (("attn_in", 0), ("mlp_out", 1)))  # every column
+    assert rows({"layers": [2]}).points == ()  # one key named: the other defaults to none
+    spec = rows({"points": ["mlp_out.1", ["pre_attn", 0]]})
+    assert spec.layers == () and spec.points == (("mlp_out", 1), ("attn_in", 0)) and spec.num_columns == 2
+    assert rows({"layers": [4], "points": ["post_attn.0"]}, ServerLimits((4,), 8, None, 100, (("attn_out", 0),))
+                ).points == (("attn_out", 0),)
+    for bad, needle in [({"points": "mlp_out.1"}, "must be a list"), ({"points": ["mlp_out"]}, "point.layer"),
+                        ({"points": ["mlp_out.3"]}, r"\['mlp_out.3'\] are not captured"),
+                        ({"points": ["resid_post.1"]}, "resid_post"), ({"points": ["attn.1"]}, "unknown point"),
+                        ({"points": ["mlp_out.1", ["mlp_out", 1]]}, "duplicates"),
+                        ({"layers": [], "points": []}, "no column"), ({"layers": []}, "non-empty")]:
+        with pytest.raises(BadUncertaintyRequest, match=needle):
+            rows(bad)
+    with pytest.raises(BadUncertaintyRequest, match="captured points: none"):
+        rows({"points": ["mlp_out.1"]}, LIMITS)
+    # the budget counts the point columns: 10 tokens of one column fit, of two they do not
+    one_column = 10 * 128 * 4
+    check_row_budget(UncertaintySpec(rows=rows({"layers": [0]}), max_bytes=one_column), 1, 10, 128)
+    with pytest.raises(BadUncertaintyRequest, match="2 column"):
+        check_row_budget(UncertaintySpec(rows=rows({"layers": [0], "points": ["mlp_out.1"]}), max_bytes=one_column),
+                         1, 10, 128)
+
+
+def test_serve_points_option_is_checked_before_vllm_starts(tiny_models, monkeypatch, capsys):
+    """``serve --points`` reaches the engine's capture settings (canonical, aliases and ``:`` read);
+    an unknown point, a layer the model lacks, or a compiled engine is refused before vLLM runs."""
+    import json
+
+    import uhead_vllm.adapters.server as server_adapter
+    from uhead_vllm.cli import build_parser, main
+    from uhead_vllm.serving.launch import vllm_argv
+
+    model = str(tiny_models["llama"])
+    args, rest = build_parser().parse_known_args(["serve", "--model", model, "--head", "none",
+                                                  "--points", "pre_attn.1", "mlp_out:3,mlp_in.0"])
+    argv = vllm_argv(args, rest)
+    config = json.loads(argv[argv.index("--additional-config") + 1])
+    assert config["uhead_vllm"]["points"] == [["attn_in", 1], ["mlp_out", 3], ["mlp_in", 0]]
+    monkeypatch.setattr(server_adapter, "run_api_server", lambda vargs: pytest.fail("vLLM must not start"))
+    for extra, needle in [(["--points", "mlp_out.4"], "4 decoder layers"), (["--points", "resid_post.1"], "resid_post"),
+                          (["--points", "mlp_out.1", "--no-enforce-eager"], "serve --points needs an eager engine"),
+                          (["--steering", "--no-enforce-eager"], "serve --steering needs an eager engine")]:
+        assert main(["serve", "--model", model, "--head", "none", *extra]) == 2
+        assert needle in capsys.readouterr().err
 
 
 def _step(recorder: RowRecorder, reqs: dict[str, int], new: dict[str, dict | None]) -> None:

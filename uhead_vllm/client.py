@@ -52,12 +52,14 @@ class ScoredChoice:
                    [StepScore(**s) for s in unc.get("steps", [])], unc.get("rows"))
 
 
-def decode_rows(rows: dict[str, Any]) -> tuple[torch.Tensor, list[int], list[int]]:
-    """``(hidden [rows, layers, H], token_ids, layers)``: row p = state after reading token p."""
+def decode_rows(rows: dict[str, Any]) -> tuple[torch.Tensor, list[int], list[int | str]]:
+    """``(hidden [rows, columns, H], token_ids, columns)``: row p = state after reading token p;
+    ``columns`` names each column: the layers' HF indices (ints), then the capture points asked
+    for (``"mlp_out.14"``; a server started with ``--points``)."""
     from safetensors.torch import load
 
     t = load(base64.b64decode(rows["safetensors_b64"]))
-    return t["hidden"], t["token_ids"].tolist(), list(rows["layers"])
+    return t["hidden"], t["token_ids"].tolist(), [*rows["layers"], *rows.get("points", [])]
 
 
 class UncertaintyClient:
@@ -71,28 +73,34 @@ class UncertaintyClient:
         self.model = model or self.openai.models.list().data[0].id
 
     @staticmethod
-    def _body(rows: Sequence[int] | None, max_bytes: int | None, features: bool = False) -> dict[str, Any]:
+    def _body(rows: Sequence[int] | None, max_bytes: int | None, features: bool = False,
+              points: Sequence[Any] | None = None) -> dict[str, Any]:
         spec: dict[str, Any] = {"features": True} if features else {}
-        if rows:
-            spec["rows"] = {"layers": list(rows)}
+        if rows or points:
+            spec["rows"] = {"layers": list(rows or [])}
+            if points:
+                spec["rows"]["points"] = [p if isinstance(p, str) else list(p) for p in points]
         if max_bytes:
             spec["max_bytes"] = int(max_bytes)
         return {"uncertainty": spec or True}
 
     def chat(self, messages: str | list[dict], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
-             features: bool = False, max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any
-             ) -> list[ScoredChoice]:
-        """Answer a question (a string) or a conversation; one :class:`ScoredChoice` per choice."""
+             features: bool = False, max_tokens: int = 128, temperature: float = 0.0,
+             points: Sequence[Any] | None = None, **kwargs: Any) -> list[ScoredChoice]:
+        """Answer a question (a string) or a conversation; one :class:`ScoredChoice` per choice.
+        ``rows``: layers whose rows to return; ``points``: capture points too (``"mlp_out.14"`` or
+        ``("mlp_out", 14)``, captured by the server); decode them with :func:`decode_rows`."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         res = self.openai.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=temperature, extra_body=self._body(rows, max_bytes, features),
-                                                  **kwargs)
+                                                  temperature=temperature,
+                                                  extra_body=self._body(rows, max_bytes, features, points), **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]
 
     def complete(self, prompt: str | list[str], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
-                 features: bool = False, max_tokens: int = 128, temperature: float = 0.0, **kwargs: Any
-                 ) -> list[ScoredChoice]:
+                 features: bool = False, max_tokens: int = 128, temperature: float = 0.0,
+                 points: Sequence[Any] | None = None, **kwargs: Any) -> list[ScoredChoice]:
         res = self.openai.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=temperature, extra_body=self._body(rows, max_bytes, features), **kwargs)
+                                             temperature=temperature,
+                                             extra_body=self._body(rows, max_bytes, features, points), **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]

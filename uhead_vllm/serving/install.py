@@ -39,7 +39,7 @@ def install(state: Any) -> UncertaintyService:
         engine, scorer, tuple(settings.layers), vllm_config.model_config.get_hidden_size(), settings.torch_dtype,
         vllm_config.cache_config.block_size, int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)),
         int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)), settings.steering,
-        vllm_config.model_config.get_total_num_hidden_layers())
+        vllm_config.model_config.get_total_num_hidden_layers(), settings.points)
     install_child_tags()
     for attr, method in (("openai_serving_chat", "create_chat_completion"),
                          ("openai_serving_completion", "create_completion")):

@@ -13,7 +13,9 @@ import os
 import sys
 from typing import Sequence
 
+from ..capture.points import Site, parse_sites
 from ..capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CaptureSettings
+from ..errors import InputError
 from .install import DEFAULT_MAX_ROWS_BYTES, DEFAULT_STORE_BYTES, SERVE_KEY
 
 MIDDLEWARE = "uhead_vllm.serving.UncertaintyMiddleware"
@@ -38,6 +40,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest rows budget a request may ask for (uncertainty.max_bytes)")
     p.add_argument("--row-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
                    help="memory for prompt rows the prefix cache skips (exact refill)")
+    p.add_argument("--points", nargs="+", metavar="POINT.LAYER", default=None,
+                   help="capture points inside decoder layers too, e.g. mlp_out.14 attn_in.14 (attn_in = pre_attn, "
+                        "attn_out = post_attn, mlp_in, mlp_out; decoder layer 0..n-1); requests ask for them in "
+                        "uncertainty.rows.points; eager engines")
     p.add_argument("--steering", action="store_true",
                    help="let requests steer (a 'steer' field: vectors added at named points; eager engines)")
 
@@ -49,7 +55,9 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     path = resolve_model(args.model, args.model_cache)
     ident = model_identity(path)
     layers = args.layers or _default_layers(args.head, ident["num_hidden_layers"])
-    settings = CaptureSettings(tuple(layers), args.capture_dtype, steering=bool(getattr(args, "steering", False)))
+    points = parse_points(getattr(args, "points", None) or [], ident["num_hidden_layers"])
+    settings = CaptureSettings(tuple(layers), args.capture_dtype, points=points,
+                               steering=bool(getattr(args, "steering", False)))
     serve = {"max_rows_bytes": args.max_rows_bytes, "store_bytes": args.row_store_bytes,
              "allow_other_weights": args.allow_other_weights}
     if args.head:
@@ -65,6 +73,30 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
         if flag not in given and negated not in given:
             argv += [flag] if value is None else [flag, value]
     return argv + list(passthrough)
+
+
+def parse_points(values: Sequence[str], num_layers: int) -> tuple[Site, ...]:
+    """``--points`` values (``mlp_out.14``; ``mlp_out:14`` and comma-separated lists accepted too)
+    as canonical sites; ``InputError`` for an unknown point or a layer the model does not have."""
+    items = [v.strip().replace(":", ".") for value in values for v in value.split(",") if v.strip()]
+    try:
+        sites = parse_sites(items)
+    except ValueError as exc:
+        raise InputError(f"--points: {exc}") from None
+    bad = [f"{p}.{k}" for p, k in sites if k >= num_layers]
+    if bad:
+        raise InputError(f"--points {bad}: this model has {num_layers} decoder layers (0..{num_layers - 1})")
+    return sites
+
+
+def refuse_compiled(args: argparse.Namespace, vargs: argparse.Namespace) -> None:
+    """Points and steering are hooks on decoder submodules, which never fire in a compiled model:
+    refuse before vLLM starts instead of failing inside its engine process."""
+    what = [w for w, on in (("--points", getattr(args, "points", None)), ("--steering", getattr(args, "steering", False)))
+            if on]
+    if what and not getattr(vargs, "enforce_eager", False):
+        raise InputError(f"serve {' '.join(what)} needs an eager engine (forward hooks on the decoder layers' "
+                         "submodules never fire in compiled mode): drop --no-enforce-eager")
 
 
 def _default_layers(head: str | None, n_layers: int) -> list[int]:
@@ -88,6 +120,7 @@ def run(args: argparse.Namespace, passthrough: Sequence[str]) -> int:
 
     argv = vllm_argv(args, passthrough)
     vargs = parse_serve_args(argv, prog="uhead-vllm serve")
+    refuse_compiled(args, vargs)
     print(f"uhead-vllm serve: vLLM {' '.join(argv)}", file=sys.stderr, flush=True)
     run_api_server(vargs)
     return 0

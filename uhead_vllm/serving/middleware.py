@@ -3,7 +3,7 @@
 Load it with vLLM's ``--middleware uhead_vllm.serving.UncertaintyMiddleware``. At start-up
 (the ASGI lifespan, after vLLM has built its handlers) it installs the service
 (:func:`install`); it also serves the small web page at ``/`` and ``GET /uhead/status``
-(memory and counters) and ``GET /uhead/info`` (model, head, layers, the head's prompt).
+(memory and counters) and ``GET /uhead/info`` (model, head, layers and points, the head's prompt).
 Every other request passes through untouched.
 """
 
@@ -13,6 +13,7 @@ import logging
 from importlib.resources import files
 from typing import Any
 
+from ..capture.points import site_name
 from .install import install
 
 logger = logging.getLogger("uhead_vllm.serving")
@@ -59,6 +60,7 @@ async def _info(service: Any) -> Any:
 
     scorer = service.scorer
     info = {"head": service.limits.head_name, "captured_layers": list(service.captured_layers),
+            "captured_points": [site_name(s) for s in service.captured_points],
             "hidden_size": service.hidden_size, "max_rows_bytes": service.limits.max_rows_bytes}
     if scorer is not None:
         chat = scorer.recipe.chat("{question}")

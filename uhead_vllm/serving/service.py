@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
+from ..capture.points import Site, site_name
 from ..capture.protocol import CapturedRows, RequestTag, decode_rows
 from ..generation.prefix_store import PrefixRowStore
 from .record import RequestRecord, new_tag
@@ -32,16 +33,19 @@ class UncertaintyService:
 
     def __init__(self, engine: Any, scorer: Scorer | None, captured_layers: tuple[int, ...], hidden_size: int,
                  dtype: torch.dtype, block_size: int, max_rows_bytes: int, store_bytes: int,
-                 steering: bool = False, num_layers: int = 0):
+                 steering: bool = False, num_layers: int = 0, captured_points: tuple[Site, ...] = ()):
         self.engine = engine  # the real engine client (not the tap)
         self.scorer = scorer
         self.captured_layers = captured_layers
+        self.captured_points = captured_points  # columns after the layers' (serve --points)
+        self.num_columns = len(captured_layers) + len(captured_points)
         self.hidden_size = hidden_size
         self.steering = steering  # the engine was built with steering (serve --steering)
         self.num_layers = num_layers
         self.dtype = dtype
         self.store = PrefixRowStore(block_size, store_bytes)
-        self.limits = ServerLimits(captured_layers, hidden_size, scorer.name if scorer else None, max_rows_bytes)
+        self.limits = ServerLimits(captured_layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
+                                   captured_points)
         self.registry: dict[str, RequestRecord] = {}
         self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
                          "capture_errors": 0, "released_early": 0}
@@ -101,7 +105,8 @@ class UncertaintyService:
     # ------------------------------------------------------------------ one sequence
     async def sequence_rows(self, record: RequestRecord, prompt_index: int, sample: int, need_from: int | None,
                             final: bool) -> tuple[torch.Tensor, int]:
-        """Exact rows ``[num_rows, L, H]`` of one sequence and its prompt length.
+        """Exact rows ``[num_rows, columns, H]`` (the layers, then the points) of one sequence and
+        its prompt length.
 
         ``need_from``: first position that must be exact (0 for returned rows, the prompt length
         for scoring; None = the prompt length). ``final=False`` (streaming) completes nothing:
@@ -112,7 +117,7 @@ class UncertaintyService:
         prompt = p.prompt_token_ids or []
         expected = torch.tensor(prompt + s.token_ids, dtype=torch.int64)
         num_rows = max(len(expected) - 1, 0)
-        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), len(self.captured_layers),
+        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), self.num_columns,
                                      self.hidden_size, self.dtype)
         start = len(prompt) if need_from is None else need_from
         if final:
@@ -132,9 +137,10 @@ class UncertaintyService:
         s = record.prompts[prompt_index].seqs[sample]
         out: dict[str, Any] = {}
         if spec.steps:
-            scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, rows[prompt_len:])
+            generated = rows[prompt_len:, : len(self.captured_layers)]  # the head reads layer columns
+            scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, generated)
             if spec.features:
-                pooled = self.scorer.pooled_features(s.token_ids, s.logprobs, rows[prompt_len:], scored["steps"])
+                pooled = self.scorer.pooled_features(s.token_ids, s.logprobs, generated, scored["steps"])
                 for step, vector in zip(scored["steps"], pooled):
                     step["features"] = vector
             out.update(scored)
@@ -158,18 +164,22 @@ class UncertaintyService:
         except RuntimeError:
             s.steps_sent = len(spans)  # a row is missing (e.g. preempted): the final chunk has them
             return []
-        new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)], rows[prompt_len:],
-                                      spans[s.steps_sent :])
+        new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)],
+                                      rows[prompt_len:, : len(self.captured_layers)], spans[s.steps_sent :])
         s.steps_sent = len(spans)
         return new
 
     def _encode_rows(self, rows: torch.Tensor, token_ids: list[int], spec: UncertaintySpec) -> dict[str, Any]:
-        idx = [self.captured_layers.index(k) for k in spec.rows.layers]
+        n_layers = len(self.captured_layers)
+        idx = ([self.captured_layers.index(k) for k in spec.rows.layers]
+               + [n_layers + self.captured_points.index(s) for s in spec.rows.points])
         dtype = torch.float32 if spec.rows.dtype == "float32" else torch.bfloat16
         hidden = rows[:, idx].to(dtype).contiguous()
+        points = [site_name(s) for s in spec.rows.points]
         payload = st_save({"hidden": hidden, "token_ids": torch.tensor(token_ids[: rows.shape[0]], dtype=torch.int64)},
-                          metadata={"layers": json.dumps(list(spec.rows.layers))})
-        return {"layers": list(spec.rows.layers), "dtype": spec.rows.dtype, "num_rows": int(rows.shape[0]),
+                          metadata={"layers": json.dumps(list(spec.rows.layers)), "points": json.dumps(points)})
+        return {"layers": list(spec.rows.layers), "points": points, "dtype": spec.rows.dtype,
+                "num_rows": int(rows.shape[0]),
                 "format": "safetensors", "safetensors_b64": base64.b64encode(payload).decode("ascii"),
                 "raw_bytes": hidden.numel() * hidden.element_size()}
 
@@ -180,7 +190,7 @@ class UncertaintyService:
         if record.spec.rows and total > record.spec.max_bytes:
             raise BadUncertaintyRequest(
                 f"rows budget exceeded: the rows of this response take {total} bytes (prompt rows "
-                f"included) > max_bytes {record.spec.max_bytes}; ask for fewer layers, bfloat16 or a "
+                f"included) > max_bytes {record.spec.max_bytes}; ask for fewer layers or points, bfloat16 or a "
                 "larger max_bytes")
 
     async def status(self) -> dict[str, Any]:
@@ -190,5 +200,6 @@ class UncertaintyService:
         return {"running_requests": len(self.registry), "worker_bytes_held": held,
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
                 "store_bytes": self.store.bytes_held, "store_blocks": len(self.store),
-                "captured_layers": list(self.captured_layers), "head": self.limits.head_name,
+                "captured_layers": list(self.captured_layers),
+                "captured_points": [site_name(s) for s in self.captured_points], "head": self.limits.head_name,
                 **self.counters}

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..capture.points import Site, parse_sites, site_name
+
 #: Prefix of every ``vllm_xargs`` key the server uses internally; clients may not send them (a
 #: forged capture tag would read another request's rows or crash the worker's tag parser).
 RESERVED_XARGS_PREFIX = "uhead_vllm"
 _KEYS = {"head", "steps", "rows", "features", "max_bytes"}
-_ROW_KEYS = {"layers", "dtype"}
+_ROW_KEYS = {"layers", "points", "dtype"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -23,14 +25,20 @@ class BadUncertaintyRequest(ValueError):
 
 @dataclass(frozen=True)
 class RowsSpec:
-    """Captured rows to return: HF hidden-state layer indices and the dtype they travel in."""
+    """Captured rows to return: HF hidden-state layer indices, then capture points (``(point,
+    decoder layer)`` sites) as columns, and the dtype they travel in."""
 
     layers: tuple[int, ...]
     dtype: str = "float32"
+    points: tuple[Site, ...] = ()
 
     @property
     def bytes_per_value(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.layers) + len(self.points)
 
 
 @dataclass(frozen=True)
@@ -46,12 +54,14 @@ class UncertaintySpec:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What this server can serve: the captured layers, hidden size, its head, the byte cap."""
+    """What this server can serve: the captured layers, hidden size, its head, the byte cap, the
+    captured points (``serve --points``)."""
 
     captured_layers: tuple[int, ...]
     hidden_size: int
     head_name: str | None
     max_rows_bytes: int
+    captured_points: tuple[Site, ...] = ()
 
 
 def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | None:
@@ -108,9 +118,11 @@ def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
     unknown = sorted(set(value) - _ROW_KEYS)
     if unknown:
         raise BadUncertaintyRequest(f"unknown key(s) {unknown} in 'uncertainty.rows'; allowed: {sorted(_ROW_KEYS)}")
-    layers = value.get("layers", list(limits.captured_layers))
-    if (not isinstance(layers, list) or not layers
-            or any(isinstance(k, bool) or not isinstance(k, int) for k in layers)):
+    # Neither key: every captured column. One of them: the other defaults to none.
+    everything = "layers" not in value and "points" not in value
+    layers = value.get("layers", list(limits.captured_layers) if everything else [])
+    if (not isinstance(layers, list) or any(isinstance(k, bool) or not isinstance(k, int) for k in layers)
+            or (not layers and "points" not in value)):
         raise BadUncertaintyRequest(f"'uncertainty.rows.layers' must be a non-empty list of integers, got {layers!r}")
     missing = [k for k in layers if k not in limits.captured_layers]
     if missing:
@@ -119,17 +131,40 @@ def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
             f"{list(limits.captured_layers)} (start the server with --layers to capture others)")
     if len(set(layers)) != len(layers):
         raise BadUncertaintyRequest(f"'uncertainty.rows.layers' has duplicates: {layers}")
+    points = _parse_points(value.get("points", list(limits.captured_points) if everything else []), limits)
+    if not layers and not points:
+        raise BadUncertaintyRequest("'uncertainty.rows' asks for no column: name layers or points")
     dtype = value.get("dtype", "float32")
     if dtype not in _DTYPE_BYTES:
         raise BadUncertaintyRequest(f"'uncertainty.rows.dtype' must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
-    return RowsSpec(tuple(int(k) for k in layers), dtype)
+    return RowsSpec(tuple(int(k) for k in layers), dtype, points)
+
+
+def _parse_points(value: Any, limits: ServerLimits) -> tuple[Site, ...]:
+    """``["mlp_out.14", ...]`` (or ``[["mlp_out", 14], ...]`` pairs; aliases ``pre_attn`` /
+    ``post_attn``) as canonical sites, each captured by this server."""
+    captured = [site_name(s) for s in limits.captured_points]
+    if not isinstance(value, list):
+        raise BadUncertaintyRequest(f"'uncertainty.rows.points' must be a list like [\"mlp_out.1\"] "
+                                    f"(point.layer), got {value!r}")
+    try:
+        points = parse_sites(value)
+    except ValueError as exc:
+        raise BadUncertaintyRequest(f"'uncertainty.rows.points': {exc}") from None
+    missing = [site_name(s) for s in points if s not in limits.captured_points]
+    if missing:
+        raise BadUncertaintyRequest(
+            f"point(s) {missing} are not captured by this server; captured points: {captured or 'none'} "
+            "(start the server with --points to capture others)")
+    return points
 
 
 def check_row_budget(spec: UncertaintySpec, num_sequences: int, max_tokens: int | None, hidden_size: int) -> None:
     """Refuse before generating when the generated rows alone would exceed the request's budget."""
     if spec.rows is None:
         return
-    per_token = len(spec.rows.layers) * hidden_size * spec.rows.bytes_per_value
+    columns = spec.rows.num_columns
+    per_token = columns * hidden_size * spec.rows.bytes_per_value
     if max_tokens is None:
         raise BadUncertaintyRequest("asking for rows needs max_tokens (max_completion_tokens), so the "
                                     "byte budget can be checked before generating")
@@ -137,8 +172,8 @@ def check_row_budget(spec: UncertaintySpec, num_sequences: int, max_tokens: int 
     if least > spec.max_bytes:
         raise BadUncertaintyRequest(
             f"rows budget exceeded: {num_sequences} sequence(s) x {max_tokens} tokens x "
-            f"{len(spec.rows.layers)} layer(s) x {hidden_size} x {spec.rows.bytes_per_value} bytes "
-            f"= {least} bytes > max_bytes {spec.max_bytes}; ask for fewer layers or tokens, "
+            f"{columns} column(s) (layers and points) x {hidden_size} x {spec.rows.bytes_per_value} bytes "
+            f"= {least} bytes > max_bytes {spec.max_bytes}; ask for fewer layers, points or tokens, "
             "bfloat16, or a larger max_bytes")
 
 
