@@ -204,10 +204,10 @@ def stage_train(args: argparse.Namespace, work: Path, session: Session | None) -
 
 def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None:
     """One file per (task, seed, n), written as soon as it is done, in the order n -> seed -> task,
-    so a run cut short (GPU time) still leaves whole, comparable units. A (task, seed) keeps one
-    step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children."""
-    from uhead_vllm.study.value.search import ORACLE, TreeSearch, majority_vote, sample_answers
-    from uhead_vllm.tasks import extract_answer, grade
+    so a run cut short (GPU time) still leaves whole, comparable units; within a unit, each part
+    (whole answers, best-of-n, beam) is kept as it finishes and a later run resumes after it. A
+    (task, seed) keeps one step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children."""
+    from uhead_vllm.study.value.search import ORACLE, TreeSearch
 
     heads = session.heads(work)
     scorers = [*heads, "entropy", "perplexity", "msp", "random", ORACLE]
@@ -227,27 +227,57 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                         ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens,
                         rollouts=args.oracle_rollouts, rollout_tokens=args.rollout_tokens, progress=_say))
                 qs, ex, ts = trees[(task, seed)]
-                tokens_before, rollouts_before = ex.generated_tokens, ts.rollout_generated
-                start = time.perf_counter()
-                runs = {"greedy": _graded(qs, [a[0] for a in sample_answers(ex, 1, 0.0, args.whole_tokens, seed)], grade)}
-                whole = sample_answers(ex, n, args.temperature, args.whole_tokens, seed)
-                runs[f"majority@{n}"] = _graded(qs, [majority_vote(a, extract_answer) for a in whole], grade)
-                runs[f"pass@{n}"] = {"correct": [int(any(grade(q, t)[0] for t, _ in a)) for q, a in zip(qs, whole)],
-                                     "tokens": [sum(t for _, t in a) for a in whole]}
-                for name, out in ts.best_of_n(scorers, n).items():
-                    runs[f"bon@{n}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
-                if n % 2 == 0:
-                    for name, out in ts.beam_search(scorers, 2, n // 2).items():
-                        runs[f"beam2x{n // 2}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
+                # Parts of a unit are kept as they finish (``.partial``), so a call cut off by a time
+                # limit resumes at the next part; the whole unit's file is written at the end.
+                partial = path.with_suffix(".partial")
+                resumed = partial.is_file() and not args.overwrite
+                done = json.loads(partial.read_text()) if partial.is_file() and not args.overwrite else {
+                    "runs": {}, "parts": [], "wall_s": 0.0, "candidate_tokens": 0, "oracle_rollout_tokens": 0}
+                for part in ("whole", "best-of-n", "beam"):
+                    if part in done["parts"] or (part == "beam" and n % 2):
+                        continue
+                    tokens_before, rollouts_before = ex.generated_tokens, ts.rollout_generated
+                    start = time.perf_counter()
+                    done["runs"].update(_search_part(part, qs, ex, ts, scorers, n, seed, args))
+                    done["parts"].append(part)
+                    done["wall_s"] += time.perf_counter() - start
+                    done["candidate_tokens"] += ex.generated_tokens - tokens_before
+                    done["oracle_rollout_tokens"] += ts.rollout_generated - rollouts_before
+                    partial.write_text(json.dumps(done))
+                runs = done["runs"]
                 _say(f"{task} seed {seed} n={n}: " + ", ".join(
                     f"{k}={sum(r['correct']) / len(qs):.3f}" for k, r in runs.items()))
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"task": task, "seed": seed, "n": n, "questions": [q.qid for q in qs],
-                                           "runs": runs, "wall_s": time.perf_counter() - start,
-                                           "candidate_tokens": ex.generated_tokens - tokens_before,
-                                           "oracle_rollout_tokens": ts.rollout_generated - rollouts_before}))
+                                           "runs": runs, "wall_s": done["wall_s"],
+                                           "candidate_tokens": done["candidate_tokens"],
+                                           "oracle_rollout_tokens": done["oracle_rollout_tokens"],
+                                           "resumed": resumed}))
                 tmp.replace(path)
-                _say(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+                partial.unlink(missing_ok=True)
+                _say(f"wrote {path} ({done['wall_s']:.0f} s)")
+
+
+def _search_part(part: str, qs: list, ex: Any, ts: Any, scorers: list, n: int, seed: int,
+                 args: argparse.Namespace) -> dict:
+    """One part of a search unit: whole answers (greedy, majority, pass@n), best-of-n, or beam."""
+    from uhead_vllm.study.value.search import majority_vote, sample_answers
+    from uhead_vllm.tasks import extract_answer, grade
+
+    runs: dict[str, dict] = {}
+    if part == "whole":
+        runs["greedy"] = _graded(qs, [a[0] for a in sample_answers(ex, 1, 0.0, args.whole_tokens, seed)], grade)
+        whole = sample_answers(ex, n, args.temperature, args.whole_tokens, seed)
+        runs[f"majority@{n}"] = _graded(qs, [majority_vote(a, extract_answer) for a in whole], grade)
+        runs[f"pass@{n}"] = {"correct": [int(any(grade(q, t)[0] for t, _ in a)) for q, a in zip(qs, whole)],
+                             "tokens": [sum(t for _, t in a) for a in whole]}
+    elif part == "best-of-n":
+        for name, out in ts.best_of_n(scorers, n).items():
+            runs[f"bon@{n}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
+    else:
+        for name, out in ts.beam_search(scorers, 2, n // 2).items():
+            runs[f"beam2x{n // 2}/{name}"] = _graded(qs, list(zip(out.texts, out.tokens)), grade)
+    return runs
 
 
 def _graded(questions: list, answers: list, grade) -> dict:
