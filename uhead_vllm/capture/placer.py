@@ -22,15 +22,27 @@ from .protocol import RowDestination
 
 def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
                chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
-    """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within capacity)."""
-    first = torch.from_numpy(np.repeat(chunk_first, lens))
-    capacity = torch.from_numpy(np.repeat(chunk_capacity, lens))
-    inside = (first >= 0) & (positions >= 0) & (positions < capacity)
-    index = first + positions
-    if bool(inside.all()):
-        dest.buffer.index_copy_(0, index, hidden.to(dest.buffer.dtype))
+    """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within capacity).
+
+    The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
+    assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
+    per step and never competes with the engine's Python loop for long (torch's ``index_copy_``
+    here was 3-4x slower and took several GIL round trips per step).
+    """
+    pos = positions.numpy()
+    first = np.repeat(chunk_first, lens)
+    index = first + pos
+    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunk_capacity, lens))
+    rows = _byte_rows(hidden.to(dest.buffer.dtype))
+    if inside.all():
+        dest.byte_rows[index] = rows
     else:
-        dest.buffer.index_copy_(0, index[inside], hidden[inside].to(dest.buffer.dtype))
+        dest.byte_rows[index[inside]] = rows[inside]
+
+
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """``t`` [R, ...] as a [R, bytes per row] uint8 numpy view (numpy has no bfloat16)."""
+    return t.contiguous().view(torch.uint8).numpy().reshape(t.shape[0], -1)
 
 
 class Placer:

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -170,10 +171,12 @@ class RowDestination:
 
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
+    byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
 
     def __post_init__(self) -> None:
-        if self.buffer.device.type != "cpu" or self.buffer.dim() != 3:
-            raise ValueError("RowDestination.buffer must be a [rows, layers, hidden] host tensor")
+        if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
+            raise ValueError("RowDestination.buffer must be a contiguous [rows, layers, hidden] host tensor")
+        self.byte_rows = self.buffer.view(torch.uint8).numpy().reshape(self.buffer.shape[0], -1)
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
