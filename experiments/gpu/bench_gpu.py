@@ -60,7 +60,8 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
     from experiments.bench.workload import Workload, rendered_prompts
     from transformers import AutoTokenizer
 
-    prompts = rendered_prompts(AutoTokenizer.from_pretrained(model), max(BATCHES))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = rendered_prompts(tokenizer, max(BATCHES))
     cfg = Config(spec["kind"], spec["mode"], "bfloat16" if spec["kind"] == "ours" else None)
     layers = tuple(spec["layers"]) or (0,)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
@@ -74,7 +75,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
             "tok_per_s": max(r.tok_per_s for r in runs), "seconds": [r.seconds for r in runs],
             "generated_tokens": runs[0].generated_tokens, "rows": runs[0].rows, "extra": runs[-1].extra}
     if spec["kind"] in ("plain", "ours"):
-        result["fanout"] = fanout(runner, prompts[: max(BATCHES)], AutoTokenizer.from_pretrained(model))
+        result["fanout"] = fanout(runner, prompts[: max(BATCHES)], tokenizer)
     runner.close()
     return result
 
