@@ -75,30 +75,72 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
             "tok_per_s": max(r.tok_per_s for r in runs), "seconds": [r.seconds for r in runs],
             "generated_tokens": runs[0].generated_tokens, "rows": runs[0].rows, "extra": runs[-1].extra}
     if spec["kind"] in ("plain", "ours"):
-        result["fanout"] = fanout(runner, prompts[: max(BATCHES)], tokenizer)
+        result["fanout"] = fanout(runner, prompts[: max(BATCHES)], tokenizer,
+                                  big if spec["kind"] == "ours" else None)
+    if spec["kind"] == "ours":
+        result["after_pass_profile"] = after_pass_profile(runner, big)
     runner.close()
     return result
 
 
-def fanout(runner: Any, prompts: list[str], tokenizer: Any) -> dict[str, Any]:
+def fanout(runner: Any, prompts: list[str], tokenizer: Any, captured: Any = None) -> dict[str, Any]:
     """The largest batch sent to ``runner``'s vLLM directly as the capture generator sends it:
     token ids, one n=1 request per sample, no capture tags. On the plain engine this prices the
     request form (vs n=4 requests of text); on the capturing engine it prices the aux outputs in
-    the graph without any recording, so plain -> fan-out -> aux engine -> capture splits the cost."""
+    the graph without any recording, so plain -> fan-out -> aux engine -> capture splits the cost.
+
+    With ``captured`` (a workload), each repeat also runs it with capture right before the
+    untagged pass, on the same engine in the same process: their ratio is free of the
+    process-to-process noise that the cross-process ratios carry."""
     from vllm import SamplingParams
 
     ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
     inputs = [x for x in ids for _ in range(N)]
     params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
-    seconds = []
-    for _ in range(REPS):
+    seconds, capture_seconds = [], []
+    for _ in range(REPS + (1 if captured is not None else 0)):
+        if captured is not None:
+            capture_seconds.append(runner.run(captured).seconds)
         if not runner.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
         t0 = time.perf_counter()
         outs = runner.llm.generate(inputs, params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"sequences": len(inputs), "seconds": seconds, "tok_per_s": tokens / min(seconds)}
+    result = {"sequences": len(inputs), "seconds": seconds, "tok_per_s": tokens / min(seconds)}
+    if captured is not None:
+        result["interleaved_capture_seconds"] = capture_seconds
+        result["interleaved_ratio"] = min(seconds) / min(capture_seconds)
+    return result
+
+
+def after_pass_profile(runner: Any, workload: Any, top: int = 25) -> str:
+    """cProfile of one captured run with vLLM's generate left out: where the generator's own host
+    time goes (preparing requests, checking and assembling rows)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    inner = runner.llm.generate
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        profile.disable()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            profile.enable()
+
+    runner.llm.generate = generate
+    try:
+        profile.enable()
+        runner.run(workload)
+        profile.disable()
+    finally:
+        runner.llm.generate = inner
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
@@ -131,14 +173,15 @@ def report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> s
                   "price of the request form, on `ours-graphs` the price of the aux outputs in the graph "
                   "without recording. Recording: host seconds on the engine's thread (`record`) and "
                   "in the placer thread beside it (`place`), last repeat.", "",
-                  "| config | fan-out tok/s (x plain-graphs) | record s | place s |", "|---|---|---|---|"]
+                  "| config | fan-out tok/s (x plain-graphs) | record s | place s | capture / untagged, one process |",
+                  "|---|---|---|---|---|"]
         base = by.get("plain-graphs", {}).get("batches", {}).get(big, {}).get("tok_per_s")
         for name, f in fan.items():
             extra = by[name]["batches"][big]["extra"]
             ratio = f" ({f['tok_per_s'] / base:.3f})" if base else ""
-            rec, pl = extra.get("record_seconds"), extra.get("place_seconds")
+            rec, pl, same = extra.get("record_seconds"), extra.get("place_seconds"), f.get("interleaved_ratio")
             lines.append(f"| {name} | {f['tok_per_s']:,.0f}{ratio} | " + " | ".join(
-                "-" if c is None else f"{c:.3f}" for c in (rec, pl)) + " |")
+                "-" if c is None else f"{c:.3f}" for c in (rec, pl, same)) + " |")
     failed = [r for r in results if "batches" not in r]
     for r in failed:
         lines += ["", f"**{r['name']} failed**: {r.get('error', '?')[-500:]}"]

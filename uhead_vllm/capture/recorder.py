@@ -36,6 +36,20 @@ class _Step:
 
 
 @dataclass
+class _Batch:
+    """Per-request capture facts of one batch (row order of a forward), as arrays, so a step is
+    numpy index math instead of a Python loop over requests. Decode steps repeat the same batch,
+    so it is built once and reused until the requests or their tags change."""
+
+    req_ids: list[str]
+    tagged: np.ndarray  # [K] indices (into the batch) of tagged requests
+    tags: np.ndarray  # [K]
+    samples: np.ndarray  # [K]
+    first: np.ndarray  # [K] first row of the tag's slot in the destination (-1: none)
+    capacity: np.ndarray  # [K] rows of that slot
+
+
+@dataclass
 class RowRecorder:
     """Accumulates captured steps until the engine fetches them."""
 
@@ -55,6 +69,7 @@ class RowRecorder:
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
     _copied: object = None  # CUDA event after the last device-to-host copy
     _copy_stream: object = None  # CUDA stream of the device-to-host copies
+    _batch: _Batch | None = None  # the last forward's batch facts (None: rebuild)
     record_seconds: float = 0.0  # host time the engine's thread spent recording (this generation)
     destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
@@ -65,6 +80,8 @@ class RowRecorder:
 
     # ------------------------------------------------------------------ schedule
     def on_schedule(self, step: ScheduledStep) -> None:
+        if step.new_requests or step.finished_req_ids:
+            self._batch = None
         for rid in step.finished_req_ids:
             tag = self._tags.pop(rid, None)
             if tag is not None and self._owner.get((tag.tag, tag.sample)) == rid:
@@ -119,18 +136,14 @@ class RowRecorder:
             self.error = (f"capture points: {len(points or ())} of {len(self.settings.points)} hooks fired in "
                           "this forward (a submodule was skipped or compiled); no rows were recorded")
             return
+        batch = self._batch_facts(step.req_ids)
         qsl = step.query_start_loc
-        chunk_tags, chunk_samples, starts, ends = [], [], [], []
-        for i, rid in enumerate(step.req_ids):
-            tag = self._tags.get(rid)
-            if tag is not None and qsl[i + 1] > qsl[i]:
-                chunk_tags.append(tag.tag)
-                chunk_samples.append(tag.sample)
-                starts.append(int(qsl[i]))
-                ends.append(int(qsl[i + 1]))
-        if not starts:
+        scheduled = (qsl[batch.tagged + 1] > qsl[batch.tagged]).nonzero()[0]  # chunks with rows
+        if not scheduled.size:
             return
-        lens = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        chunk_req = batch.tagged[scheduled]
+        starts, ends = qsl[chunk_req].astype(np.int64), qsl[chunk_req + 1].astype(np.int64)
+        lens = ends - starts
         n_rows = int(lens.sum())
         dtype = self.settings.torch_dtype
         new_bytes = n_rows * self.settings.num_columns * self.hidden_size * dtype.itemsize
@@ -151,37 +164,53 @@ class RowRecorder:
             meta_parts.append(torch.stack([positions[a:b].to(torch.int64), step.input_ids[a:b].to(torch.int64)]))
         hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
         meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
-        hidden, meta = self._to_host(hidden), self._to_host(meta)
-        tags = np.asarray(chunk_tags, dtype=np.int64)
+        hidden, meta = self._to_host(hidden, meta)
+        tags = batch.tags[scheduled]
         if self.destination is not None:
-            slots = [self.destination.slots.get(t, (-1, 0)) for t in chunk_tags]
-            first = np.asarray([a for a, _ in slots], dtype=np.int64)
-            capacity = np.asarray([n for _, n in slots], dtype=np.int64)
             ready = self._copied if hidden.is_pinned() else None
-            self._placer.submit(ready, self.destination, hidden, meta[0], first, capacity, lens)
+            self._placer.submit(ready, self.destination, hidden, meta[0], batch.first[scheduled],
+                                batch.capacity[scheduled], lens)
             hidden, new_bytes = None, 0
-        self.steps.append(_Step(tags, np.asarray(chunk_samples, dtype=np.int64), lens, hidden, meta))
+        self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
         self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """Host copy of a freshly gathered tensor; on a GPU asynchronous into pinned memory, on a
-        stream of its own, so the next step's forward never queues behind the copy."""
-        if t.device.type != "cuda":
-            return t  # already a new tensor (stack/cat copy), never an engine buffer
+    def _batch_facts(self, req_ids: list[str]) -> _Batch:
+        """This forward's per-request facts, reused while the batch stays the same."""
+        batch = self._batch
+        if batch is not None and batch.req_ids == req_ids:
+            return batch
+        found = [(i, tag) for i, tag in enumerate(map(self._tags.get, req_ids)) if tag is not None]
+        tags = np.asarray([t.tag for _, t in found], dtype=np.int64)
+        slots = self.destination.slots if self.destination is not None else {}
+        where = [slots.get(t.tag, (-1, 0)) for _, t in found]
+        self._batch = _Batch(
+            req_ids=list(req_ids), tagged=np.asarray([i for i, _ in found], dtype=np.int64), tags=tags,
+            samples=np.asarray([t.sample for _, t in found], dtype=np.int64),
+            first=np.asarray([a for a, _ in where], dtype=np.int64).reshape(-1),
+            capacity=np.asarray([n for _, n in where], dtype=np.int64).reshape(-1))
+        return self._batch
+
+    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Host copies of freshly gathered tensors; on a GPU asynchronous into pinned memory, on a
+        stream of its own (one wait, one event for all), so the next step's forward never queues
+        behind the copies."""
+        if tensors[0].device.type != "cuda":
+            return list(tensors)  # already new tensors (stack/cat copies), never engine buffers
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=t.device)
+            self._copy_stream = torch.cuda.Stream(device=tensors[0].device)
         stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(t.device))  # the gather that made ``t``
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # the gathers that made them
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         with torch.cuda.stream(stream):
-            host.copy_(t, non_blocking=True)
+            for host, t in zip(hosts, tensors):
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the allocator must not hand ``t`` out before the copy ran
             event = torch.cuda.Event()
             event.record(stream)
-        t.record_stream(stream)  # the allocator must not hand ``t`` out again before the copy ran
         self._copied = event
-        return host
+        return hosts
 
     # ------------------------------------------------------------------ fetch
     def place_into(self, destination: RowDestination | None) -> None:
@@ -189,6 +218,7 @@ class RowRecorder:
         if self.steps:
             raise RuntimeError("rows of an earlier generation are still held: take them first")
         self.destination = destination
+        self._batch = None  # its slots are the destination's
 
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""
@@ -229,6 +259,7 @@ class RowRecorder:
             for rid, tag in list(self._tags.items()):
                 if tag is not None and tag.tag in set(wanted.tolist()):
                     self._tags[rid] = None
+            self._batch = None
         taken: list[_Step] = []
         kept: list[_Step] = []
         for s in self.steps:
@@ -273,12 +304,9 @@ class RowRecorder:
         )
 
 
-def _runs(starts: list[int], ends: list[int]) -> list[tuple[int, int]]:
+def _runs(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
     """Merge adjacent row ranges, so a batch of tagged requests is one slice."""
-    runs = [(starts[0], ends[0])]
-    for a, b in zip(starts[1:], ends[1:]):
-        if a == runs[-1][1]:
-            runs[-1] = (runs[-1][0], b)
-        else:
-            runs.append((a, b))
-    return runs
+    cut = (starts[1:] != ends[:-1]).nonzero()[0] + 1  # a run begins where a chunk does not follow on
+    firsts = np.concatenate(([0], cut))
+    lasts = np.concatenate((cut - 1, [len(starts) - 1]))
+    return list(zip(starts[firsts].tolist(), ends[lasts].tolist()))

@@ -238,8 +238,11 @@ class VllmHiddenStatesGenerator:
                         f"got {type(prompt).__name__}")
 
     def _tagged(self, sp: Any, sample: int) -> tuple[Any, int]:
+        """A one-sample copy of ``sp`` with its own tag. ``sp`` is already this call's private
+        copy: children are shallow copies with their own ``extra_args``, as vLLM makes the
+        children of an n>1 request."""
         tag = next(_TAGS)
-        child = copy.deepcopy(sp)
+        child = copy.copy(sp)
         child.n = 1
         if sp.seed is not None:
             child.seed = sp.seed + sample  # what vLLM does for child i of an n>1 request
@@ -291,10 +294,14 @@ class VllmHiddenStatesGenerator:
         rendered = [self.render_prompt(p, i) for i, p in enumerate(prompts)]
 
         inputs, child_params, owners, steering = [], [], {}, {}
+        private: dict[int, Any] = {}  # one deep copy per distinct SamplingParams: the caller's stays untouched
         for i, (rendered_i, sp) in enumerate(zip(rendered, params)):
             if sp.n < 1:
                 raise ValueError("SamplingParams.n must be >= 1")
             request = self._steering(sp, rendered_i, i)
+            if id(sp) not in private:
+                private[id(sp)] = copy.deepcopy(sp)
+            sp = private[id(sp)]
             for s in range(sp.n):
                 child, tag = self._tagged(sp, s)
                 child.extra_args.update(request.extra_args)
@@ -326,17 +333,22 @@ class VllmHiddenStatesGenerator:
         stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
+        keys = [self.store.keys(q.expected, q.rows.shape[0], q.salt.encode()) for q in seqs]
         try:
-            # The store keeps views of this call's rows (no copy); sealed once every row is in.
-            for q in seqs:
-                self.store.put(q.expected, q.rows, q.valid, seal=False,
-                               buffer_bytes=occupied.get(buffer_address(q.rows)), salt=q.salt.encode())
-            for q in seqs:
-                stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, salt=q.salt.encode())
+            # The store keeps views of this call's rows (no copy), re-pointed to this call's
+            # buffer so older ones can be released; sealed once every row is in.
+            for q, k in zip(seqs, keys):
+                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
+                               buffer_bytes=occupied.get(buffer_address(q.rows)))
+            complete = [bool(q.valid.all()) for q in seqs]
+            for q, k, done in zip(seqs, keys, complete):
+                if not done:
+                    stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k)
             self._recompute_missing(seqs, stats)
-            for q in seqs:
-                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True,
-                               buffer_bytes=occupied.get(buffer_address(q.rows)), salt=q.salt.encode())
+            for q, k, done in zip(seqs, keys, complete):
+                if not done:  # blocks completed by the fill or the recompute
+                    self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
+                                   buffer_bytes=occupied.get(buffer_address(q.rows)))
         finally:
             self.store.seal()
         stats.store_evictions = self.store.evictions - evictions
@@ -395,13 +407,15 @@ class VllmHiddenStatesGenerator:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
         into while vLLM generates (see :class:`RowDestination`). None when that room would exceed
         half the machine's memory even as untouched address space, or the backend cannot."""
+        texts = sorted({owners[t][0] for t in owners if not isinstance(rendered[owners[t][0]][0], dict)})
+        # vLLM tokenizes text prompts itself; a longer result than counted here only costs a recompute.
+        counted = self.tokenizer([rendered[i][1] for i in texts])["input_ids"] if texts else []
+        n_text = {i: len(ids) for i, ids in zip(texts, counted)}
         slots, first = {}, 0
         for tag, params in zip(owners, child_params):
-            vllm_input, text = rendered[owners[tag][0]]
-            if isinstance(vllm_input, dict):
-                n_prompt = len(vllm_input["prompt_token_ids"])
-            else:  # vLLM tokenizes text prompts itself; a longer result only costs a recompute
-                n_prompt = len(self.tokenizer(text)["input_ids"])
+            i = owners[tag][0]
+            vllm_input = rendered[i][0]
+            n_prompt = len(vllm_input["prompt_token_ids"]) if isinstance(vllm_input, dict) else n_text[i]
             new = params.max_tokens if params.max_tokens is not None else self.max_model_len
             capacity = min(n_prompt + new, self.max_model_len)
             slots[tag] = (first, capacity)

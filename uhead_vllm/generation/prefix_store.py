@@ -32,6 +32,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt:
 class _Block:
     rows: torch.Tensor  # [block_size, L, H]: a view into the rows of the call that produced it
     version: int | None  # the rows' version counter when sealed; None until the call ends
+    address: int  # storage address of the buffer ``rows`` points into
 
 
 class PrefixRowStore:
@@ -69,8 +70,14 @@ class PrefixRowStore:
         """The stored blocks (for accounting of what a generator holds)."""
         return [b.rows for b in self._blocks.values()]
 
+    def keys(self, token_ids: Sequence[int], num_rows: int, salt: bytes = b"") -> list[bytes]:
+        """The keys of the full blocks of a sequence with ``num_rows`` rows (compute once, pass
+        to :meth:`put` and :meth:`fill` of the same sequence)."""
+        return block_keys(token_ids, self.block_size, min(len(token_ids), num_rows) // self.block_size, salt)
+
     def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, *, seal: bool = True,
-            replace: bool = False, buffer_bytes: int | None = None, salt: bytes = b"") -> int:
+            replace: bool = False, buffer_bytes: int | None = None, salt: bytes = b"",
+            keys: list[bytes] | None = None) -> int:
         """Store every full block whose rows are all valid; returns how many blocks were new.
 
         ``seal=False`` leaves the blocks unversioned until :meth:`seal` (the caller still writes
@@ -78,20 +85,22 @@ class PrefixRowStore:
         ``rows`` (the newest buffer), so older buffers can be released. ``buffer_bytes`` is what
         the buffer of ``rows`` occupies when that is less than its size (pages never written).
         """
-        n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
+        keys = self.keys(token_ids, rows.shape[0], salt) if keys is None else keys
+        n_blocks = len(keys)
         if n_blocks == 0:
             return 0
         complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
         size = _buffer_bytes(rows) if buffer_bytes is None else min(buffer_bytes, _buffer_bytes(rows))
         copy = size > self.max_bytes
+        address = buffer_address(rows)
         added = 0
-        for b, key in enumerate(block_keys(token_ids, self.block_size, n_blocks, salt)):
+        for b, key in enumerate(keys):
             old = self._blocks.get(key)
             if old is not None:
                 self._blocks.move_to_end(key)
-                if not (replace and complete[b]) or _same_buffer(old.rows, rows):
+                if not (replace and complete[b]) or old.address == address:
                     continue
-                self._release(old.rows)
+                self._release(old.address)
             elif not complete[b]:
                 continue
             else:
@@ -99,8 +108,9 @@ class PrefixRowStore:
             block = rows[b * self.block_size : (b + 1) * self.block_size]
             if copy:
                 block = block.clone()
-            self._blocks[key] = _Block(block, block._version if seal else None)
-            self._hold(block, _buffer_bytes(block) if copy else size)
+            where = buffer_address(block) if copy else address
+            self._blocks[key] = _Block(block, block._version if seal else None, where)
+            self._hold(where, _buffer_bytes(block) if copy else size)
             self._evict()
         return added
 
@@ -110,9 +120,10 @@ class PrefixRowStore:
             if block.version is None:
                 block.version = block.rows._version
 
-    def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"") -> int:
+    def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"",
+             keys: list[bytes] | None = None) -> int:
         """Fill invalid rows of full blocks from the store in place; returns rows filled."""
-        n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size
+        n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size if keys is None else len(keys)
         if n_blocks == 0:
             return 0
         gaps = (~valid[: n_blocks * self.block_size]).view(n_blocks, self.block_size).any(1)
@@ -120,8 +131,10 @@ class PrefixRowStore:
             return 0
         last_gap = int(torch.nonzero(gaps).max())
         gaps_list = gaps.tolist()
+        if keys is None:
+            keys = block_keys(token_ids, self.block_size, last_gap + 1, salt)
         filled = 0
-        for b, key in enumerate(block_keys(token_ids, self.block_size, last_gap + 1, salt)):
+        for b, key in enumerate(keys[: last_gap + 1]):
             if not gaps_list[b]:
                 continue
             block = self._blocks.get(key)
@@ -129,7 +142,7 @@ class PrefixRowStore:
                 continue
             if block.version is not None and block.rows._version != block.version:
                 del self._blocks[key]  # its buffer was changed in place after its call
-                self._release(block.rows)
+                self._release(block.address)
                 self.stale_drops += 1
                 continue
             self._blocks.move_to_end(key)
@@ -148,14 +161,13 @@ class PrefixRowStore:
         """Bytes counted for each buffer the store keeps alive, by storage address."""
         return {address: entry[0] for address, entry in self._buffers.items()}
 
-    def _hold(self, block: torch.Tensor, size: int) -> None:
-        entry = self._buffers.setdefault(buffer_address(block), [size, 0])
+    def _hold(self, address: int, size: int) -> None:
+        entry = self._buffers.setdefault(address, [size, 0])
         if entry[1] == 0:
             self.bytes_held += entry[0]
         entry[1] += 1
 
-    def _release(self, block: torch.Tensor) -> None:
-        address = buffer_address(block)
+    def _release(self, address: int) -> None:
         entry = self._buffers[address]
         entry[1] -= 1
         if entry[1] == 0:
@@ -165,7 +177,7 @@ class PrefixRowStore:
     def _evict(self) -> None:
         while self.bytes_held > self.max_bytes and self._blocks:
             _, old = self._blocks.popitem(last=False)
-            self._release(old.rows)
+            self._release(old.address)
             self.evictions += 1
 
 
@@ -175,10 +187,6 @@ def buffer_address(t: torch.Tensor) -> int:
 
 def _buffer_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
-
-
-def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return buffer_address(a) == buffer_address(b)
 
 
 def held_bytes(tensors: Iterable[torch.Tensor], known: dict[int, int] | None = None) -> int:
