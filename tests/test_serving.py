@@ -246,6 +246,36 @@ def test_capture_points_are_served_named_and_equal_hf_hooks(client, server, tiny
     print(f"\nmax relative error vs HF so far: {ERRORS}")
 
 
+def test_streamed_capture_points_equal_hf_hooks_and_the_unstreamed_answer(client, tiny_models):
+    """Streaming with points: the chunk with ``finish_reason`` carries the rows (mid-stream chunks
+    only steps), their point columns equal HF hooks, and text, steps and rows equal the same greedy
+    request unstreamed (rows of a stream are made exact the same way, only at its end)."""
+    model = tiny_models["llama"]
+    sites = [("mlp_out", 3), ("attn_in", 0), ("attn_out", 1)]
+    kw = dict(max_tokens=24, temperature=0,
+              extra_body={"uncertainty": {"rows": {"layers": [0, 4], "points": ["mlp_out.3", "pre_attn.0",
+                                                                                 "attn_out.1"]}}})
+    q = PREFIX + "Count to four, one number per line."
+    full = chat(client, q, **kw).choices[0]
+    text, final, early = "", None, []
+    for chunk in chat(client, q, stream=True, **kw):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            unc = (c.model_extra or {}).get("uncertainty")
+            if unc and c.finish_reason is None:
+                early.append(unc)
+            elif unc:
+                final = unc
+    assert final is not None and "error" not in final and all(set(u) == {"steps"} for u in early)
+    check_rows(model, final, layers=[0, 4], points=sites)
+    want = full.model_extra["uncertainty"]
+    assert text == full.message.content and final["steps"] == want["steps"]
+    assert {k: v for k, v in final["rows"].items() if k != "safetensors_b64"} == \
+        {k: v for k, v in want["rows"].items() if k != "safetensors_b64"}
+    (hidden, ids), (want_hidden, want_ids) = rows_of(final), rows_of(want)
+    assert ids == want_ids and relative_error(hidden, want_hidden) < 1e-6
+
+
 def post(server, path: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})

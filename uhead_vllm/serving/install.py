@@ -36,10 +36,9 @@ def install(state: Any) -> UncertaintyService:
     engine = state.engine_client
     scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
     service = UncertaintyService(
-        engine, scorer, tuple(settings.layers), vllm_config.model_config.get_hidden_size(), settings.torch_dtype,
-        vllm_config.cache_config.block_size, int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)),
-        int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)), settings.steering,
-        vllm_config.model_config.get_total_num_hidden_layers(), settings.points)
+        engine, scorer, settings, vllm_config.model_config.get_hidden_size(), vllm_config.cache_config.block_size,
+        int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)), int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)),
+        vllm_config.model_config.get_total_num_hidden_layers())
     install_child_tags()
     for attr, method in (("openai_serving_chat", "create_chat_completion"),
                          ("openai_serving_completion", "create_completion")):

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from ..capture.points import Site, site_name
-from ..capture.protocol import CapturedRows, RequestTag, decode_rows
+from ..capture.points import site_name
+from ..capture.protocol import CapturedRows, CaptureSettings, RequestTag, decode_rows
 from ..generation.prefix_store import PrefixRowStore
 from .record import RequestRecord, new_tag
 from .rows import complete_rows, place_captured
@@ -31,21 +31,19 @@ _BACKGROUND: set[asyncio.Task] = set()
 class UncertaintyService:
     """Everything between vLLM's OpenAI handlers and the worker's captured rows."""
 
-    def __init__(self, engine: Any, scorer: Scorer | None, captured_layers: tuple[int, ...], hidden_size: int,
-                 dtype: torch.dtype, block_size: int, max_rows_bytes: int, store_bytes: int,
-                 steering: bool = False, num_layers: int = 0, captured_points: tuple[Site, ...] = ()):
+    def __init__(self, engine: Any, scorer: Scorer | None, settings: CaptureSettings, hidden_size: int,
+                 block_size: int, max_rows_bytes: int, store_bytes: int, num_layers: int = 0):
         self.engine = engine  # the real engine client (not the tap)
         self.scorer = scorer
-        self.captured_layers = captured_layers
-        self.captured_points = captured_points  # columns after the layers' (serve --points)
-        self.num_columns = len(captured_layers) + len(captured_points)
+        self.settings = settings  # what the worker captures: the rows' columns, dtype, steering
+        self.captured_layers = settings.layers
+        self.captured_points = settings.points  # columns after the layers' (serve --points)
         self.hidden_size = hidden_size
-        self.steering = steering  # the engine was built with steering (serve --steering)
+        self.steering = settings.steering  # the engine was built with steering (serve --steering)
         self.num_layers = num_layers
-        self.dtype = dtype
         self.store = PrefixRowStore(block_size, store_bytes)
-        self.limits = ServerLimits(captured_layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
-                                   captured_points)
+        self.limits = ServerLimits(settings.layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
+                                   settings.points)
         self.registry: dict[str, RequestRecord] = {}
         self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
                          "capture_errors": 0, "released_early": 0}
@@ -117,8 +115,8 @@ class UncertaintyService:
         prompt = p.prompt_token_ids or []
         expected = torch.tensor(prompt + s.token_ids, dtype=torch.int64)
         num_rows = max(len(expected) - 1, 0)
-        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), self.num_columns,
-                                     self.hidden_size, self.dtype)
+        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), self.settings.num_columns,
+                                     self.hidden_size, self.settings.torch_dtype)
         start = len(prompt) if need_from is None else need_from
         if final:
             stats = await complete_rows(expected, rows, valid, start, self.store,
