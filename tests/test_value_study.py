@@ -230,3 +230,36 @@ def test_step_data_round_trip(tmp_path):
     assert torch.equal(d.features, e.features) and e.texts == d.texts
     np.testing.assert_array_equal(e.validity["entropy"], d.validity["entropy"])
     assert (tmp_path / "x.train.safetensors").is_file()
+
+
+def test_sharded_search_units_merge_into_the_unsharded_layout(tmp_path):
+    """Shards are contiguous slices; their files merge into one unit file in question order, and
+    only once every shard is there."""
+    import json
+
+    from experiments.value.run_value_study import merge_shards, shard_questions
+
+    qids = [f"q{i}" for i in range(7)]
+    slices = [shard_questions(qids, i, 3) for i in range(3)]
+    assert [q for s in slices for q in s] == qids and all(slices)
+    shards = tmp_path / "search" / "shards"
+    shards.mkdir(parents=True)
+
+    def write(i: int) -> None:
+        qs = slices[i]
+        runs = {"greedy": {"correct": [int(q[1:]) % 2 for q in qs], "tokens": [int(q[1:]) for q in qs]}}
+        (shards / f"t.seed0.n8.shard{i}of3.json").write_text(json.dumps(
+            {"task": "t", "seed": 0, "n": 8, "questions": qs, "runs": runs, "wall_s": 1.0,
+             "candidate_tokens": 10, "oracle_rollout_tokens": 5, "resumed": i == 1}))
+
+    write(2)
+    write(0)
+    assert merge_shards(tmp_path) == []  # shard 1 missing: no unit file yet
+    write(1)
+    [unit] = merge_shards(tmp_path)
+    d = json.loads(unit.read_text())
+    assert unit.name == "t.seed0.n8.json" and d["questions"] == qids and d["shards"] == 3
+    assert d["runs"]["greedy"]["tokens"] == list(range(7))
+    assert d["runs"]["greedy"]["correct"] == [i % 2 for i in range(7)]
+    assert (d["wall_s"], d["candidate_tokens"], d["resumed"]) == (3.0, 30, True)
+    assert merge_shards(tmp_path) == []  # written once

@@ -3,6 +3,7 @@
 # ../shared/gpu/README.md; the embedded model's wheel, gguf and scikit-learn are among the parts).
 #   STUDY_TIMEOUT=480 bash experiments/value/gpu_run.sh STAGES [extra run_value_study args...]
 #   UNITS="basic_arithmetic:0 chain_sum_3x1:1" STUDY_TIMEOUT=560 bash experiments/value/gpu_run.sh search
+#   UNITS="chain_sum_3x1:0:0/4 chain_sum_3x1:0:1/4 ..." ... one unit's questions in K shard processes
 #   PROBE=1 [PROBE_ARGS=...] ... also runs experiments/value/temperature_probe.py next to the stages
 # One process runs all STAGES (one engine start); with UNITS, one search process per task:seed
 # runs at once on the same GPU (a 135M model leaves the H100 mostly idle: the tree walk, not the
@@ -47,9 +48,10 @@ if [ "${PROBE:-0}" = 1 ]; then
     --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
 fi
 if [ -n "${UNITS:-}" ]; then
-  for u in $UNITS; do
-    run "${u/:/.s}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
-      --tasks "${u%%:*}" --seeds "${u##*:}" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
+  for u in $UNITS; do  # task:seed or task:seed:I/K (the I-th of K question shards)
+    IFS=: read -r task seed shard <<< "$u"
+    run "$task.s$seed${shard:+.${shard/\//of}}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
+      --tasks "$task" --seeds "$seed" ${shard:+--shard "$shard"} --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
   done
 else
   run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)

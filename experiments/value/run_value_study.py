@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -216,12 +218,20 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
     for n in args.n:
         for seed in args.seeds:
             for task in args.tasks or [args.train_task, *args.unseen_tasks]:
-                path = work / "search" / f"{task}.seed{seed}.n{n}.json"
-                if path.is_file() and not args.overwrite:
-                    _say(f"{path} exists (--overwrite to redo)")
+                unit = f"{task}.seed{seed}.n{n}"
+                if args.shard:  # a slice of the questions; merge_shards makes the unit's file
+                    unit = f"{unit}.shard{args.shard[0]}of{args.shard[1]}"
+                folder = work / "search" / ("shards" if args.shard else "")
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"{unit}.json"
+                whole_unit = work / "search" / f"{task}.seed{seed}.n{n}.json"
+                if (path.is_file() or whole_unit.is_file()) and not args.overwrite:
+                    _say(f"{path if path.is_file() else whole_unit} exists (--overwrite to redo)")
                     continue
                 if (task, seed) not in trees:
                     qs = _questions(work, task, "study", args.limit)
+                    if args.shard:
+                        qs = shard_questions(qs, *args.shard)
                     ex = session.expander(qs, seed=seed, heads=heads)
                     trees[(task, seed)] = (qs, ex, TreeSearch(
                         ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens,
@@ -229,7 +239,7 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                 qs, ex, ts = trees[(task, seed)]
                 # Parts of a unit are kept as they finish (``.partial``), so a call cut off by a time
                 # limit resumes at the next part; the whole unit's file is written at the end.
-                partial = path.with_suffix(".partial")
+                partial = folder / f"{unit}.partial"
                 resumed = partial.is_file() and not args.overwrite
                 done = json.loads(partial.read_text()) if partial.is_file() and not args.overwrite else {
                     "runs": {}, "parts": [], "wall_s": 0.0, "candidate_tokens": 0, "oracle_rollout_tokens": 0}
@@ -256,6 +266,44 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                 tmp.replace(path)
                 partial.unlink(missing_ok=True)
                 _say(f"wrote {path} ({done['wall_s']:.0f} s)")
+    for merged in merge_shards(work):
+        _say(f"wrote {merged} from its shards")
+
+
+def shard_questions(qs: list, index: int, count: int) -> list:
+    """Shard ``index`` of ``count``: a contiguous slice, so shards concatenated in order are the
+    unit's questions in order. Candidates are seeded per question and node, not per batch."""
+    bounds = np.linspace(0, len(qs), count + 1).round().astype(int)
+    return qs[bounds[index] : bounds[index + 1]]
+
+
+def merge_shards(work: Path) -> list[Path]:
+    """Write each unit whose shards (``search/shards``) are all there as one unit file, as an
+    unsharded run would have written it (times and tokens summed over the shard processes)."""
+    groups: dict[str, dict[int, Path]] = {}
+    counts: dict[str, int] = {}
+    for path in (work / "search" / "shards").glob("*.shard*of*.json"):
+        unit, _, tail = path.name[: -len(".json")].rpartition(".shard")
+        index, count = (int(x) for x in tail.split("of"))
+        groups.setdefault(unit, {})[index] = path
+        if counts.setdefault(unit, count) != count:
+            raise ValueError(f"{unit}: shards of different counts ({counts[unit]} and {count})")
+    written = []
+    for unit, shards in sorted(groups.items()):
+        target = work / "search" / f"{unit}.json"
+        if target.is_file() or len(shards) != counts[unit]:
+            continue
+        parts = [json.loads(shards[i].read_text()) for i in range(counts[unit])]
+        runs = {name: {key: [v for p in parts for v in p["runs"][name][key]] for key in ("correct", "tokens")}
+                for name in parts[0]["runs"]}
+        merged = {**parts[0], "questions": [q for p in parts for q in p["questions"]], "runs": runs,
+                  "wall_s": sum(p["wall_s"] for p in parts), "shards": counts[unit],
+                  "candidate_tokens": sum(p["candidate_tokens"] for p in parts),
+                  "oracle_rollout_tokens": sum(p["oracle_rollout_tokens"] for p in parts),
+                  "resumed": any(p["resumed"] for p in parts)}
+        target.write_text(json.dumps(merged))
+        written.append(target)
+    return written
 
 
 def _search_part(part: str, qs: list, ex: Any, ts: Any, scorers: list, n: int, seed: int,
@@ -286,6 +334,16 @@ def _graded(questions: list, answers: list, grade) -> dict:
 
 
 # ------------------------------------------------------------------------------------- main
+def _shard_arg(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/K, e.g. 0/4, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard {text}: need 0 <= I < K")
+    return index, count
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="all", help=f"comma list of {STAGES} or 'all'")
@@ -296,6 +354,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-task", default="basic_arithmetic")
     p.add_argument("--unseen-tasks", nargs="*", default=["chain_sum_3x1"])
     p.add_argument("--tasks", nargs="*", default=None, help="search only these tasks")
+    p.add_argument("--shard", type=_shard_arg, default=None, metavar="I/K",
+                   help="search only the I-th of K contiguous slices of the questions (0-based), so one "
+                        "unit runs as K processes; the unit's file is written once all K are there")
     p.add_argument("--train-questions", type=int, default=2000)
     p.add_argument("--test-questions", type=int, default=300)
     p.add_argument("--study-questions", type=int, default=500)
@@ -342,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     if "search" in stages:
         stage_search(args, args.work, session)
     if "report" in stages:
+        merge_shards(args.work)
         meta = {"commit": _commit(), "command": "python -m experiments.value.run_value_study " + " ".join(sys.argv[1:]),
                 "platform": platform.platform(), "args": {k: str(v) for k, v in vars(args).items()}}
         paths = report_mod.write(args.work, args.results, meta)
