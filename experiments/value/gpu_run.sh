@@ -39,22 +39,29 @@ run() {  # run NAME ARGS...: one study process, its own log and its own vLLM com
   VLLM_CACHE_ROOT=$W/vcache.$name timeout "${STUDY_TIMEOUT:-3000}" python3 -u "$@" > "$OUT/value/run.$T.$name.log" 2>&1
   echo "$name exit $? $(date +%T)"
 }
+# Processes go round-robin over the GPUs. Eight processes on one H100 ran slower in total than
+# two (docs/value_study.md, "Reproduce"): shards of a unit are meant for several GPUs.
 N_PROCS=$(( $(wc -w <<< "${UNITS:-x}") + ${PROBE:-0} ))
-MEM=$(python3 -c "print(round(0.85 / $N_PROCS, 2))")
-KV=(); [ "$N_PROCS" -gt 1 ] && KV=(--kv-cache-gib "$(python3 -c "print(round(48 / $N_PROCS, 1))")")
+N_GPUS=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$N_GPUS" -ge 1 ] || N_GPUS=1
+PER_GPU=$(( (N_PROCS + N_GPUS - 1) / N_GPUS ))
+MEM=$(python3 -c "print(round(0.85 / $PER_GPU, 2))")
+KV=(); [ "$PER_GPU" -gt 1 ] && KV=(--kv-cache-gib "$(python3 -c "print(round(48 / $PER_GPU, 1))")")
+K=0
 PIDS=()
 if [ "${PROBE:-0}" = 1 ]; then
-  run probe -m experiments.value.temperature_probe --work "$WORK" \
+  GPU=$((K % N_GPUS)); K=$((K + 1))  # set here: the backgrounded command runs in a subshell
+  CUDA_VISIBLE_DEVICES=$GPU run probe -m experiments.value.temperature_probe --work "$WORK" \
     --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
 fi
 if [ -n "${UNITS:-}" ]; then
   for u in $UNITS; do  # task:seed or task:seed:I/K (the I-th of K question shards)
     IFS=: read -r task seed shard <<< "$u"
-    run "$task.s$seed${shard:+.${shard/\//of}}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
+    GPU=$((K % N_GPUS)); K=$((K + 1))
+    CUDA_VISIBLE_DEVICES=$GPU run "$task.s$seed${shard:+.${shard/\//of}}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
       --tasks "$task" --seeds "$seed" ${shard:+--shard "$shard"} --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
   done
 else
-  run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
+  CUDA_VISIBLE_DEVICES=0 run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
 fi
 wait "${PIDS[@]}"
 grep -h -E "^\[|Error|error:" "$OUT"/value/run.*.log | tail -n 60

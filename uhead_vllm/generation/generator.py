@@ -26,7 +26,7 @@ from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
-from .prefix_store import PrefixRowStore, buffer_address, held_bytes
+from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import SteeredRequest, steer_request, step_key
 
@@ -341,9 +341,11 @@ class VllmHiddenStatesGenerator:
                 self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
                                buffer_bytes=occupied.get(buffer_address(q.rows)))
             complete = [bool(q.valid.all()) for q in seqs]
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for q, k, done in zip(seqs, keys, complete):
                 if not done:
-                    stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k)
+                    stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k, copies=copies)
+            copy_all(copies)
             self._recompute_missing(seqs, stats)
             for q, k, done in zip(seqs, keys, complete):
                 if not done:  # blocks completed by the fill or the recompute

@@ -8,7 +8,9 @@ this store is therefore exact, not a heuristic by prompt string or longest commo
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -121,8 +123,11 @@ class PrefixRowStore:
                 block.version = block.rows._version
 
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"",
-             keys: list[bytes] | None = None) -> int:
-        """Fill invalid rows of full blocks from the store in place; returns rows filled."""
+             keys: list[bytes] | None = None, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """Fill invalid rows of full blocks from the store in place; returns rows filled.
+
+        With ``copies``, whole-block copies are appended there as ``(destination, source)`` for
+        the caller to run (e.g. :func:`copy_all`, several at once) before reading ``rows``."""
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size if keys is None else len(keys)
         if n_blocks == 0:
             return 0
@@ -149,7 +154,9 @@ class PrefixRowStore:
             s = slice(b * self.block_size, (b + 1) * self.block_size)
             missing = ~valid[s]
             n = int(missing.sum())
-            if n == self.block_size:
+            if n == self.block_size and copies is not None:
+                copies.append((rows[s], block.rows))
+            elif n == self.block_size:
                 rows[s].copy_(block.rows)
             else:
                 rows[s][missing] = block.rows[missing].to(rows.dtype)
@@ -179,6 +186,20 @@ class PrefixRowStore:
             _, old = self._blocks.popitem(last=False)
             self._release(old.address)
             self.evictions += 1
+
+
+def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]], threads: int = 8) -> None:
+    """Run ``destination.copy_(source)`` for every pair, on several threads once there is enough
+    to copy: a single thread moves ~2 GB/s into freshly mapped pages (measured on an H100 host,
+    655 block copies of 393 KB), well below what the memory system allows."""
+    total = sum(d.numel() * d.element_size() for d, _ in copies)
+    workers = min(threads, os.cpu_count() or 1, len(copies))
+    if workers <= 1 or total < (32 << 20):
+        for destination, source in copies:
+            destination.copy_(source)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # copy_ runs without the GIL
+        list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
 
 
 def buffer_address(t: torch.Tensor) -> int:
