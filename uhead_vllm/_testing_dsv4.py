@@ -25,6 +25,16 @@ TEST_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily
 GPU_LAYER_TYPES = ("sliding_attention",) * LAYERS
 #: HF layer type -> the ``compress_ratios`` entry vLLM reads (0: sliding window only).
 COMPRESS_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+#: Longest position (the engine's ``max_model_len`` must not exceed it).
+MAX_POSITIONS = 1024
+#: RoPE scaling as DeepSeek-V4's released ``config.json`` writes it (legacy ``type`` key; there
+#: ``factor`` 16 over 65536 positions), with ``factor`` 1: YaRN then changes no frequency and no
+#: scale, so HF (YaRN on the compressed branches only, plain RoPE on the rest) and vLLM (YaRN on every
+#: layer, which is the only RoPE its DeepSeek-V4 attention takes: a float32 cos/sin cache over the
+#: trailing ``qk_rope_head_dim`` channels, vLLM's ``DeepseekV4ScalingRotaryEmbedding``) rotate alike.
+#: vLLM sizes that cache ``original_max_position_embeddings * factor``.
+ROPE_SCALING = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": MAX_POSITIONS,
+                "beta_fast": 32, "beta_slow": 1}
 
 
 def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
@@ -44,8 +54,12 @@ def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
     ``topk_method`` (vLLM's config class reads them; HF folds them into ``layer_types`` /
     ``mlp_layer_types``, whose values vLLM's base-config validation rejects, so those two are left
     out); ``index_topk`` above every prompt's number of compressed entries (no top-k selection, so
-    no discrete choice can differ). Weights are scaled so each layer changes the streams
-    substantially (64-113% on average with the test layers) and the streams differ from each other."""
+    no discrete choice can differ); RoPE as a released ``config.json`` writes it, a flat legacy
+    ``rope_scaling`` (see :data:`ROPE_SCALING`) instead of transformers' ``rope_parameters`` nested by
+    ``main`` / ``compress``: vLLM's config class takes that dict whole and hands it to ``get_rope``,
+    which fails on the nested dicts (``unhashable type: 'dict'``). Weights are scaled so each layer
+    changes the streams substantially (64-113% on average with the test layers) and the streams
+    differ from each other."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, GenerationConfig
@@ -62,8 +76,8 @@ def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
         num_attention_heads=2, num_key_value_heads=1, head_dim=512, q_lora_rank=64, o_groups=2, o_lora_rank=64,
         num_experts_per_tok=2, n_routed_experts=N_EXPERTS, n_shared_experts=1, hc_mult=STREAMS, sliding_window=128,
         layer_types=list(layer_types), mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
-        index_n_heads=2, index_head_dim=128, index_topk=512,
-        max_position_embeddings=1024, tie_word_embeddings=False, **ids)
+        index_n_heads=2, index_head_dim=128, index_topk=512, rope_parameters=_hf_rope(ROPE_SCALING),
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, **ids)
     cfg.architectures = ["DeepseekV4ForCausalLM"]
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg).float().eval()
@@ -102,10 +116,21 @@ def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
     save_file(native, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((hf_dir / "config.json").read_text())
     config.update(compress_ratios=[COMPRESS_RATIO[t] for t in layer_types], num_hash_layers=1,
-                  topk_method="noaux_tc")
-    for key in ("layer_types", "mlp_layer_types"):
+                  topk_method="noaux_tc", rope_scaling=dict(ROPE_SCALING))
+    # Left out as a released config does: HF's own keys (vLLM rejects the layer types' values, and
+    # would take the nested ``rope_parameters`` for its flat RoPE dict). HF rebuilds them from the
+    # legacy keys: ``partial_rotary_factor`` from ``qk_rope_head_dim`` / ``head_dim``.
+    for key in ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor"):
         config.pop(key)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     GenerationConfig(**ids).save_pretrained(out)
     tok.save_pretrained(out)
     return model
+
+
+def _hf_rope(scaling: dict[str, Any]) -> dict[str, Any]:
+    """``scaling`` as transformers' ``DeepseekV4Config`` reads a legacy ``rope_scaling`` (``type``
+    renamed ``rope_type``), so the returned model is the one HF loads from the written folder."""
+    rope = {k: v for k, v in scaling.items() if k != "type"}
+    rope["rope_type"] = scaling["type"]
+    return rope

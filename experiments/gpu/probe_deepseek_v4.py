@@ -575,7 +575,7 @@ def main() -> None:
                 "bytes": sum(f.stat().st_size for f in path.iterdir()),
                 "config": {k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "hc_mult", "head_dim",
                                                     "compress_ratios", "num_attention_heads", "n_routed_experts",
-                                                    "sliding_window", "vocab_size")}}
+                                                    "sliding_window", "vocab_size", "rope_theta", "rope_scaling")}}
 
     def selfcheck() -> dict[str, Any]:
         return patch_selfcheck(state["model"], state["model"].config)
