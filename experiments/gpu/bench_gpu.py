@@ -92,11 +92,7 @@ def fanout(runner: Any, prompts: list[str], tokenizer: Any, captured: Any = None
     With ``captured`` (a workload), each repeat also runs it with capture right before the
     untagged pass, on the same engine in the same process: their ratio is free of the
     process-to-process noise that the cross-process ratios carry."""
-    from vllm import SamplingParams
-
-    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
-    inputs = [x for x in ids for _ in range(N)]
-    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    inputs, params = fanout_requests(prompts, tokenizer)
     seconds, capture_seconds = [], []
     for _ in range(REPS + (1 if captured is not None else 0)):
         if captured is not None:
@@ -112,6 +108,16 @@ def fanout(runner: Any, prompts: list[str], tokenizer: Any, captured: Any = None
         result["interleaved_capture_seconds"] = capture_seconds
         result["interleaved_ratio"] = min(seconds) / min(capture_seconds)
     return result
+
+
+def fanout_requests(prompts: list[str], tokenizer: Any) -> tuple[list[dict], Any]:
+    """``prompts`` in the generator's request form without capture tags: token ids, N copies of
+    each prompt, one n=1 request per sample."""
+    from vllm import SamplingParams
+
+    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
+    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    return [x for x in ids for _ in range(N)], params
 
 
 def after_pass_profile(runner: Any, workload: Any, top: int = 25) -> str:

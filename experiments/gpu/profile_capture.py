@@ -31,11 +31,10 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
-    from vllm import SamplingParams
 
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
-    from experiments.gpu.bench_gpu import MAX_TOKENS, N, engine_settings
+    from experiments.gpu.bench_gpu import MAX_TOKENS, N, engine_settings, fanout_requests
     from experiments.gpu.models import SHAPES, build_model
 
     out = Path(args.out)
@@ -49,9 +48,7 @@ def main() -> None:
     runner = Runner(Config("ours", "compiled", "bfloat16"), str(model), "bfloat16", (0, n_layers // 2, n_layers),
                     engine_settings(args.shape), prompts, wl)
     runner.warmup(wl)
-    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
-    inputs = [x for x in ids for _ in range(N)]
-    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    inputs, params = fanout_requests(prompts, tokenizer)
 
     def untagged() -> float:
         runner.llm.reset_prefix_cache()

@@ -188,8 +188,8 @@ class RowRecorder:
         self._batch = _Batch(
             req_ids=list(req_ids), tagged=np.asarray([i for i, _ in found], dtype=np.int64), tags=tags,
             samples=np.asarray([t.sample for _, t in found], dtype=np.int64),
-            first=np.asarray([a for a, _ in where], dtype=np.int64).reshape(-1),
-            capacity=np.asarray([n for _, n in where], dtype=np.int64).reshape(-1))
+            first=np.asarray([a for a, _ in where], dtype=np.int64),
+            capacity=np.asarray([n for _, n in where], dtype=np.int64))
         return self._batch
 
     def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:

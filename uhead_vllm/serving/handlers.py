@@ -30,7 +30,7 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
     async def create(request: Any, raw_request: Any = None) -> Any:
         try:
             check_user_xargs(request.vllm_xargs)
-            steer = parse_steer((request.model_extra or {}).get("steer"), request.vllm_xargs, service.steering,
+            steer = parse_steer((request.model_extra or {}).get("steer"), request.vllm_xargs, service.settings.steering,
                                 service.num_layers, service.hidden_size)
             spec = parse_uncertainty((request.model_extra or {}).get("uncertainty"), service.limits)
             if spec is not None:

@@ -59,8 +59,8 @@ async def _info(service: Any) -> Any:
     from starlette.responses import JSONResponse
 
     scorer = service.scorer
-    info = {"head": service.limits.head_name, "captured_layers": list(service.captured_layers),
-            "captured_points": [site_name(s) for s in service.captured_points],
+    info = {"head": service.limits.head_name, "captured_layers": list(service.settings.layers),
+            "captured_points": [site_name(s) for s in service.settings.points],
             "hidden_size": service.hidden_size, "max_rows_bytes": service.limits.max_rows_bytes}
     if scorer is not None:
         chat = scorer.recipe.chat("{question}")

@@ -35,11 +35,8 @@ class UncertaintyService:
                  block_size: int, max_rows_bytes: int, store_bytes: int, num_layers: int = 0):
         self.engine = engine  # the real engine client (not the tap)
         self.scorer = scorer
-        self.settings = settings  # what the worker captures: the rows' columns, dtype, steering
-        self.captured_layers = settings.layers
-        self.captured_points = settings.points  # columns after the layers' (serve --points)
+        self.settings = settings  # what the worker captures: layers, then points (serve --points), dtype, steering
         self.hidden_size = hidden_size
-        self.steering = settings.steering  # the engine was built with steering (serve --steering)
         self.num_layers = num_layers
         self.store = PrefixRowStore(block_size, store_bytes)
         self.limits = ServerLimits(settings.layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
@@ -135,7 +132,7 @@ class UncertaintyService:
         s = record.prompts[prompt_index].seqs[sample]
         out: dict[str, Any] = {}
         if spec.steps:
-            generated = rows[prompt_len:, : len(self.captured_layers)]  # the head reads layer columns
+            generated = rows[prompt_len:, : len(self.settings.layers)]  # the head reads layer columns
             scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, generated)
             if spec.features:
                 pooled = self.scorer.pooled_features(s.token_ids, s.logprobs, generated, scored["steps"])
@@ -163,14 +160,14 @@ class UncertaintyService:
             s.steps_sent = len(spans)  # a row is missing (e.g. preempted): the final chunk has them
             return []
         new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)],
-                                      rows[prompt_len:, : len(self.captured_layers)], spans[s.steps_sent :])
+                                      rows[prompt_len:, : len(self.settings.layers)], spans[s.steps_sent :])
         s.steps_sent = len(spans)
         return new
 
     def _encode_rows(self, rows: torch.Tensor, token_ids: list[int], spec: UncertaintySpec) -> dict[str, Any]:
-        n_layers = len(self.captured_layers)
-        idx = ([self.captured_layers.index(k) for k in spec.rows.layers]
-               + [n_layers + self.captured_points.index(s) for s in spec.rows.points])
+        n_layers = len(self.settings.layers)
+        idx = ([self.settings.layers.index(k) for k in spec.rows.layers]
+               + [n_layers + self.settings.points.index(s) for s in spec.rows.points])
         dtype = torch.float32 if spec.rows.dtype == "float32" else torch.bfloat16
         hidden = rows[:, idx].to(dtype).contiguous()
         points = [site_name(s) for s in spec.rows.points]
@@ -198,6 +195,6 @@ class UncertaintyService:
         return {"running_requests": len(self.registry), "worker_bytes_held": held,
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
                 "store_bytes": self.store.bytes_held, "store_blocks": len(self.store),
-                "captured_layers": list(self.captured_layers),
-                "captured_points": [site_name(s) for s in self.captured_points], "head": self.limits.head_name,
+                "captured_layers": list(self.settings.layers),
+                "captured_points": [site_name(s) for s in self.settings.points], "head": self.limits.head_name,
                 **self.counters}
