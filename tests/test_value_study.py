@@ -222,6 +222,64 @@ def test_shared_tree_search_and_step_data(tiny):
     assert np.bincount(data.groups).tolist() == [2] * len(np.unique(data.groups))
 
 
+def test_search_resumes_from_the_saved_step_tree(tiny, tmp_path):
+    """A search cut in the middle of a step and rerun in a fresh process (fresh Expander and
+    TreeSearch reading the tree file) ends exactly as one uninterrupted run: same answers, same
+    tokens per question, same candidate and rollout tokens charged per part; replayed steps
+    generate nothing, and a rerun of finished parts generates nothing at all."""
+    from uhead_vllm.study.value.resume import TreeStore
+
+    _, gen = tiny
+    scorers = ["entropy", "msp", "random", ORACLE]
+    parts = {"bon": lambda ts: ts.best_of_n(scorers, 3), "beam": lambda ts: ts.beam_search(scorers, 2, 2)}
+
+    def search(store=None, cut_at=None, done=()):
+        ex = _expander(gen, {}, seed=5)
+        ts = TreeSearch(ex, max_steps=3, finish_tokens=4, rollouts=2, rollout_tokens=4, store=store)
+        asked, finished, calls, real, finish = [], [], {}, ex._generate, ts._greedy_finish
+
+        def generate(nodes, n):  # the cut_at-th expansion of this process dies, as at a call's time limit
+            if sum(calls.values()) == cut_at:
+                raise TimeoutError("cut")
+            calls[ex.owner] = calls.get(ex.owner, 0) + 1
+            asked.extend((nd, n) for nd in nodes)
+            real(nodes, n)
+
+        ex._generate = generate
+        ts._greedy_finish = lambda nodes: (finished.extend(nodes), finish(nodes))
+        pending = set(ex.pending)
+        out, charged = {}, {}
+        for name, run in parts.items():
+            if name not in done:
+                ex.owner = name
+                before = (ex.generated_tokens, ts.rollout_generated)
+                out[name] = {s: (o.texts, o.tokens) for s, o in run(ts).items()}
+                charged[name] = (ex.generated_tokens - before[0], ts.rollout_generated - before[1])
+        return out, charged, calls, pending, asked, finished, ex
+
+    ref, ref_charged, ref_calls, *_ = search()
+    assert ref_calls["bon"] == 3 and ref_calls["beam"] >= 2  # the cuts below fall where they say
+    assert all(c > 0 for part in ref_charged.values() for c in part)
+    store = TreeStore(tmp_path / "trees" / "t.seed5.json.gz")
+    with pytest.raises(TimeoutError):  # best-of-3 steps 1 and 2 generated and saved, step 3 cut
+        search(store, cut_at=2)
+    assert store.path.is_file() and not list(store.path.parent.glob("*.tmp")) and store.save_s < 5
+    out, charged, calls, pending, asked, _, ex = search(TreeStore(store.path))
+    assert out == ref and charged == ref_charged
+    assert calls == {"bon": 1, "beam": ref_calls["beam"]}  # steps 1 and 2 replayed, not generated
+    assert pending and ex.replayed == len(pending) and not pending & set(asked)
+    # every part finished and saved: a rerun replays all of it, finishes included, generating nothing
+    out, charged, calls, _, asked, finished, ex = search(TreeStore(store.path))
+    assert out == ref and charged == ref_charged and calls == {} and asked == finished == []
+    # a cut in beam's 2nd step; best-of-3, done before (kept in the unit's .partial), is not rerun
+    other = TreeStore(tmp_path / "b.json.gz")
+    with pytest.raises(TimeoutError):
+        search(other, cut_at=ref_calls["bon"] + 1)
+    out, charged, calls, *_ = search(TreeStore(other.path), done=("bon",))
+    assert out == {"beam": ref["beam"]} and charged == {"beam": ref_charged["beam"]}
+    assert calls == {"beam": ref_calls["beam"] - 1}
+
+
 def test_step_data_round_trip(tmp_path):
     d = StepData(torch.randn(4, 3), np.array([0, 1, 0.5, 0]), np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1]),
                  np.array([0, 0, 0, 0]), {"entropy": np.array([0.1, 0.2, 0.3, 0.4])}, ["a", "b", "c", "d"])

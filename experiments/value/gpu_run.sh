@@ -10,7 +10,8 @@
 # GPU, bounds one process), each engine with a share of the GPU memory. Questions come from .cache/value_study/questions
 # (carried; written here by --stages questions). Work files stay in $W/value between calls (the
 # machine keeps its temp dir while warm); what a later reader needs is copied to $OUT at the end,
-# also after a time-out (search units are whole files, written as they finish).
+# also after a time-out (search units are whole files, written as they finish; a unit's parts
+# and step tree, search/*.partial and search/trees, let the next call resume at the cut step).
 set -uo pipefail
 W=$(python3 -c "import tempfile; print(tempfile.gettempdir())")/w
 export PYTHONPATH=$W/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \

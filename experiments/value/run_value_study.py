@@ -208,7 +208,11 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
     """One file per (task, seed, n), written as soon as it is done, in the order n -> seed -> task,
     so a run cut short (GPU time) still leaves whole, comparable units; within a unit, each part
     (whole answers, best-of-n, beam) is kept as it finishes and a later run resumes after it. A
-    (task, seed) keeps one step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children."""
+    (task, seed) keeps one step tree across n: beam 2x(n/2) reuses best-of-(n/2)'s children. The
+    tree is saved after every step (``search/trees``, resume.py) and replayed by the next run, so a
+    cut part resumes at its last step, charged as if it had run in one go; ``wall_s`` adds the
+    time cut parts spent up to their last save (``cut_s`` in the ``.partial``)."""
+    from uhead_vllm.study.value.resume import TreeStore
     from uhead_vllm.study.value.search import ORACLE, TreeSearch
 
     heads = session.heads(work)
@@ -233,9 +237,14 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                     if args.shard:
                         qs = shard_questions(qs, *args.shard)
                     ex = session.expander(qs, seed=seed, heads=heads)
+                    shard = f".shard{args.shard[0]}of{args.shard[1]}" if args.shard else ""
+                    tree = work / "search" / "trees" / f"{task}.seed{seed}{shard}.json.gz"
+                    if args.overwrite:
+                        tree.unlink(missing_ok=True)
                     trees[(task, seed)] = (qs, ex, TreeSearch(
                         ex, max_steps=args.max_steps, finish_tokens=args.finish_tokens,
-                        rollouts=args.oracle_rollouts, rollout_tokens=args.rollout_tokens, progress=_say))
+                        rollouts=args.oracle_rollouts, rollout_tokens=args.rollout_tokens, progress=_say,
+                        store=TreeStore(tree)))
                 qs, ex, ts = trees[(task, seed)]
                 # Parts of a unit are kept as they finish (``.partial``), so a call cut off by a time
                 # limit resumes at the next part; the whole unit's file is written at the end.
@@ -247,13 +256,21 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                     if part in done["parts"] or (part == "beam" and n % 2):
                         continue
                     tokens_before, rollouts_before = ex.generated_tokens, ts.rollout_generated
-                    start = time.perf_counter()
+                    ex.owner, cut_s, start = f"{unit}/{part}", done.get("cut_s", 0.0), time.perf_counter()
+
+                    def checkpoint(cut_s: float = cut_s, start: float = start) -> None:
+                        done["cut_s"] = cut_s + time.perf_counter() - start  # kept if this call is cut
+                        _write_json(partial, done)
+
+                    ts.on_save = checkpoint
                     done["runs"].update(_search_part(part, qs, ex, ts, scorers, n, seed, args))
+                    ts.on_save = None
                     done["parts"].append(part)
-                    done["wall_s"] += time.perf_counter() - start
+                    done["wall_s"] += cut_s + time.perf_counter() - start
+                    done["cut_s"] = 0.0
                     done["candidate_tokens"] += ex.generated_tokens - tokens_before
                     done["oracle_rollout_tokens"] += ts.rollout_generated - rollouts_before
-                    partial.write_text(json.dumps(done))
+                    _write_json(partial, done)
                 runs = done["runs"]
                 _say(f"{task} seed {seed} n={n}: " + ", ".join(
                     f"{k}={sum(r['correct']) / len(qs):.3f}" for k, r in runs.items()))
@@ -268,6 +285,13 @@ def stage_search(args: argparse.Namespace, work: Path, session: Session) -> None
                 _say(f"wrote {path} ({done['wall_s']:.0f} s)")
     for merged in merge_shards(work):
         _say(f"wrote {merged} from its shards")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically (tmp + replace): the process may be killed at any moment by the call's limit."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
 def shard_questions(qs: list, index: int, count: int) -> list:

@@ -66,7 +66,8 @@ def label_candidates(
     tokens = 0
     for (q, text, cand), ro in zip(owners, outs):
         right = [grader(q, text + co.text) for co in ro.outputs]
-        tokens += sum(len(co.token_ids) for co in ro.outputs)
+        cand.rollout_tokens = sum(len(co.token_ids) for co in ro.outputs)
+        tokens += cand.rollout_tokens
         cand.value = sum(right) / len(right)
     return tokens
 

@@ -8,7 +8,9 @@ aggregation). Every scorer walks its own path; nodes several scorers reach are g
 had run alone. ``oracle`` scores a candidate by its label (rollouts): the ceiling of choosing.
 
 Answers not finished after ``max_steps`` lines get a greedy final phase (``finish_tokens``).
-Majority vote and greedy decoding, the scorer-free baselines, sample whole answers.
+With a :class:`~.resume.TreeStore` the tree and the finishes are saved after every step and a
+new process replays them (step-level resume). Majority vote and greedy decoding, the scorer-free
+baselines, sample whole answers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .labels import label_candidates
+from .resume import TreeStore
 from .tree import Candidate, Expander, Node
 
 ORACLE = "oracle"
@@ -45,7 +48,8 @@ class TreeSearch:
     """Runs strategies on an :class:`Expander`; labels candidates lazily for the oracle."""
 
     def __init__(self, expander: Expander, *, max_steps: int, finish_tokens: int, rollouts: int,
-                 rollout_tokens: int, progress: Callable[[str], Any] | None = None):
+                 rollout_tokens: int, progress: Callable[[str], Any] | None = None,
+                 store: TreeStore | None = None):
         self.ex = expander
         self.max_steps = max_steps
         self.finish_tokens = finish_tokens
@@ -55,15 +59,37 @@ class TreeSearch:
         self._finished: dict[Node, str] = {}
         self._finish_cost: dict[Node, int] = {}
         self.progress = progress or (lambda _msg: None)
+        self.store = store
+        self.on_save: Callable[[], Any] | None = None  # called after each save (the unit's bookkeeping)
+        if store is not None:
+            if expander.feature_head is not None:
+                raise ValueError("a tree file keeps no features: use a store only for search, not step data")
+            loaded = store.load(self)
+            if loaded:
+                self.progress(f"step tree: {loaded} expanded nodes, {len(self._finished)} finishes from {store.path}")
+
+    def _save(self) -> None:
+        if self.store is not None:
+            self.store.save(self)
+            self.progress(f"step tree saved ({self.store.size / 1e6:.1f} MB, {self.store.save_s:.2f} s)")
+        if self.on_save is not None:
+            self.on_save()
 
     # ------------------------------------------------------------------ shared pieces
     def _children(self, nodes: list[Node], n: int, scorers: Sequence[str]) -> list[list[Candidate]]:
+        made, replayed_rollouts = len(self.ex.origin), self.ex.replayed_rollout_tokens
         kids = self.ex.expand(nodes, n)
-        if ORACLE in scorers:
-            todo = [(nd, cs) for nd, cs in zip(nodes, kids) if any(c.value is None for c in cs)]
+        self.rollout_generated += self.ex.replayed_rollout_tokens - replayed_rollouts
+        todo = []
+        if ORACLE in scorers:  # each node once: several scorers' paths often share it
+            todo = list({nd: cs for nd, cs in zip(nodes, kids) if any(c.value is None for c in cs)}.items())
             if todo:
                 self.rollout_generated += label_candidates(self.ex, todo, k=self.rollouts,
                                                            max_tokens=self.rollout_tokens)
+                for nd, _ in todo:
+                    self.ex.origin[(nd, n)] = (self.ex.origin[(nd, n)][0], self.ex.owner)
+        if todo or len(self.ex.origin) != made:
+            self._save()
         return kids
 
     @staticmethod
@@ -72,16 +98,11 @@ class TreeSearch:
 
     def _finish(self, paths: dict[str, list[list[Path]]]) -> dict[str, Outcome]:
         """Greedy final phase for unfinished paths, then the answer text per scorer and question."""
-        from vllm import SamplingParams
-
         todo = list(dict.fromkeys(qp[0].node for ps in paths.values() for qp in ps
                                   if not qp[0].done and qp[0].node not in self._finished))
         if todo:
-            sp = SamplingParams(temperature=0.0, max_tokens=self.finish_tokens)
-            outs = self.ex.gen.llm.generate([self.ex.prompt_ids(nd) for nd in todo], sp, use_tqdm=False)
-            for nd, ro in zip(todo, outs):
-                self._finished[nd] = ro.outputs[0].text
-                self._finish_cost[nd] = len(ro.outputs[0].token_ids)
+            self._greedy_finish(todo)
+            self._save()
         result = {}
         for name, per_q in paths.items():
             texts, tokens = [], []
@@ -92,6 +113,15 @@ class TreeSearch:
                 tokens.append(best.tokens + (0 if best.done else self._finish_cost[best.node]))
             result[name] = Outcome(texts, tokens)
         return result
+
+    def _greedy_finish(self, nodes: list[Node]) -> None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=self.finish_tokens)
+        outs = self.ex.gen.llm.generate([self.ex.prompt_ids(nd) for nd in nodes], sp, use_tqdm=False)
+        for nd, ro in zip(nodes, outs):
+            self._finished[nd] = ro.outputs[0].text
+            self._finish_cost[nd] = len(ro.outputs[0].token_ids)
 
     # ------------------------------------------------------------------ online best-of-n
     def best_of_n(self, scorers: Sequence[str], n: int) -> dict[str, Outcome]:

@@ -49,6 +49,7 @@ class Candidate:
     validity: dict[str, float] = field(default_factory=dict)
     features: torch.Tensor | None = None  # pooled head features, kept only when collecting data
     value: float | None = None  # label (labels.py): share of rollouts from it that are right
+    rollout_tokens: int = 0  # tokens of the rollouts behind ``value`` (replayed ones are charged again)
 
     @property
     def n_tokens(self) -> int:
@@ -101,6 +102,13 @@ class Expander:
         self._special = frozenset(int(t) for t in (tok.all_special_ids or []))
         self.children: dict[tuple[Node, int], list[Candidate]] = {}
         self.generated_tokens = 0
+        # Step-level resume (resume.py): who made each entry's candidates and labels, entries
+        # loaded from a tree file and not asked for yet, and what replaying them charged.
+        self.owner = ""
+        self.origin: dict[tuple[Node, int], tuple[str, str | None]] = {}
+        self.pending: dict[tuple[Node, int], list[Candidate]] = {}
+        self.replayed = 0
+        self.replayed_rollout_tokens = 0
 
     # ------------------------------------------------------------------ prompts
     def prompt_text(self, node: Node) -> str:
@@ -112,7 +120,22 @@ class Expander:
 
     # ------------------------------------------------------------------ expansion
     def expand(self, nodes: Sequence[Node], n: int) -> list[list[Candidate]]:
-        """Children of each node (``n`` candidates), generating only nodes not expanded before."""
+        """Children of each node (``n`` candidates), generating only nodes not expanded before.
+
+        Children loaded from a tree file are replayed, not generated; their tokens (and their
+        labels' rollout tokens) are charged again when the ``owner`` that made them asks, so a
+        resumed unit part counts exactly what it would have generated in one go, and children
+        another part made stay free, as they are when that part ran earlier in the same process.
+        """
+        for nd in dict.fromkeys(nodes):
+            if (nd, n) in self.pending:
+                kids = self.children[(nd, n)] = self.pending.pop((nd, n))
+                made, labelled = self.origin[(nd, n)]
+                if made == self.owner:
+                    self.generated_tokens += sum(c.n_tokens for c in kids)
+                if labelled == self.owner:
+                    self.replayed_rollout_tokens += sum(c.rollout_tokens for c in kids)
+                self.replayed += 1
         todo = list(dict.fromkeys(nd for nd in nodes if (nd, n) not in self.children))
         if todo:
             self._generate(todo, n)
@@ -152,6 +175,7 @@ class Expander:
                 pending.append((cand, step))
                 kids.append(cand)
             self.children[(nd, n)] = kids
+            self.origin[(nd, n)] = (self.owner, None)
         self._score_heads(pending)
 
     def _baselines(self, step: CandidateStep, node: Node, index: int) -> dict[str, float]:
