@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from uhead_vllm.capture.placer import Placer
+from uhead_vllm.capture.placer import ChunkSlots, Placer
 from uhead_vllm.capture.protocol import RowDestination
 
 
@@ -24,8 +24,10 @@ class Gate:
         assert self.opened.wait(10), "placer waited for a copy that never became ready"
 
 
-def arrays(*xs):
-    return [np.asarray(x, dtype=np.int64) for x in xs]
+def slots(first, capacity, lens, sibling_limit=None, sibling_first=None):
+    """Per-chunk slot facts as the recorder hands them to the placer."""
+    a = lambda x: None if x is None else np.asarray(x, dtype=np.int64)  # noqa: E731
+    return ChunkSlots(a(first), a(capacity), a(lens), a(sibling_limit), a(sibling_first))
 
 
 def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
@@ -33,10 +35,10 @@ def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
     placer = Placer()
     gate = Gate()
     prefill = torch.arange(10, dtype=torch.float32).view(5, 1, 2)
-    placer.submit(gate, dest, prefill, torch.tensor([0, 1, 2, 0, 1]), *arrays([0, 4], [4, 6], [3, 2]))
+    placer.submit(gate, dest, prefill, torch.tensor([0, 1, 2, 0, 1]), slots([0, 4], [4, 6], [3, 2]))
     assert bool((dest.buffer == -1).all())  # not before the copy is ready
     redo = torch.full((1, 1, 2), 99.0)  # position 1 of tag 7 forwarded again (a rejected draft)
-    placer.submit(gate, dest, redo, torch.tensor([1]), *arrays([0], [4], [1]))
+    placer.submit(gate, dest, redo, torch.tensor([1]), slots([0], [4], [1]))
     gate.opened.set()
     error, seconds = placer.drain()
     assert error is None and seconds > 0
@@ -50,7 +52,7 @@ def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():
     placer = Placer()
     rows = torch.ones(4, 1, 1)
     # tag 1 at positions 1, 2 (2 is past its capacity), an unknown tag (first = -1), tag 2 at 0
-    placer.submit(None, dest, rows, torch.tensor([1, 2, 0, 0]), *arrays([0, -1, 2], [2, 0, 2], [2, 1, 1]))
+    placer.submit(None, dest, rows, torch.tensor([1, 2, 0, 0]), slots([0, -1, 2], [2, 0, 2], [2, 1, 1]))
     assert placer.drain()[0] is None
     assert dest.buffer.flatten().tolist() == [0.0, 1.0, 1.0, 0.0]
 
@@ -60,12 +62,38 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
     placer = Placer()
     gate = Gate()
     gate.opened.set()
-    placer.submit(gate, dest, torch.ones(1, 1, 5), torch.tensor([0]), *arrays([0], [2], [1]))  # wrong width
-    placer.submit(gate, dest, torch.ones(1, 1, 3), torch.tensor([1]), *arrays([0], [2], [1]))
+    placer.submit(gate, dest, torch.ones(1, 1, 5), torch.tensor([0]), slots([0], [2], [1]))  # wrong width
+    placer.submit(gate, dest, torch.ones(1, 1, 3), torch.tensor([1]), slots([0], [2], [1]))
     error, _ = placer.drain()
     assert error is not None and "placing captured rows failed" in error
     assert dest.buffer[1].flatten().tolist() == [1.0, 1.0, 1.0]
     assert placer.drain()[0] is None  # reported once
+
+
+def test_prompt_rows_also_reach_sibling_slots_below_the_limit_only():
+    # tags 1, 2, 3 sample one 3-token prompt (limit 3); tag 4 is alone
+    dest = RowDestination(torch.zeros(20, 1, 1), {1: (0, 5), 2: (5, 5), 3: (10, 5), 4: (15, 5)},
+                          [(3, (1, 2, 3))])
+    assert dest.sibling_firsts(2) == (3, [0, 10]) and dest.sibling_firsts(4) == (0, [])
+    placer = Placer()
+    # tag 1 forwards its whole prompt (0-2) and one generated row (3); tag 2 only its last prompt
+    # row (2, the rest came from the prefix cache) and row 3; tag 4 rows 0-1
+    rows = torch.tensor([10.0, 11, 12, 13, 22, 23, 40, 41]).view(8, 1, 1)
+    placer.submit(None, dest, rows, torch.tensor([0, 1, 2, 3, 2, 3, 0, 1]),
+                  slots([0, 5, 15], [5, 5, 5], [4, 2, 2], [3, 3, 0], [[5, 10], [0, 10], [-1, -1]]))
+    assert placer.drain()[0] is None
+    b = dest.buffer.flatten().tolist()
+    # Position 2 was forwarded by tags 1 and 2 (the same computation): any member's slot may end
+    # with either row. Generated rows (position 3) stay in their own slot.
+    for first, generated in ((0, 13), (5, 23), (10, 0)):
+        assert b[first : first + 2] == [10, 11] and b[first + 2] in (12, 22)
+        assert b[first + 3 : first + 5] == [generated, 0]
+    assert b[15:20] == [40, 41, 0, 0, 0]  # no group: nothing mirrored
+
+
+def test_sibling_groups_must_fit_their_members_slots():
+    with pytest.raises(ValueError, match="at least 4 rows"):
+        RowDestination(torch.zeros(6, 1, 1), {1: (0, 3), 2: (3, 3)}, [(4, (1, 2))])
 
 
 def test_destination_refuses_slots_outside_its_buffer():
@@ -77,13 +105,14 @@ def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp
     from uhead_vllm.capture.protocol import SharedDestination
     from uhead_vllm.generation.backends.aux import create_shared_destination
 
-    shared = create_shared_destination((6, 2, 3), "bfloat16", {4: (0, 6)})
+    shared = create_shared_destination((6, 2, 3), "bfloat16", {4: (0, 3), 5: (3, 3)}, [(2, (4, 5))])
     assert shared is not None
     spec, mine = shared
     try:
         theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
         theirs.buffer[2] = 7.0
-        assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 6)}
+        assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 3), 5: (3, 3)}
+        assert theirs.siblings == [(2, (4, 5))] and theirs.sibling_firsts(5) == (2, [0])
         other = tmp_path / "same-name-elsewhere"
         other.write_bytes(b"\0" * 72)
         moved = SharedDestination(str(other), spec.shape, spec.dtype, spec.slots, spec.file_id)

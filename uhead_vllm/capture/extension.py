@@ -219,12 +219,14 @@ class UheadCaptureExtension:
         return rows if inline else encode_rows(rows)
 
     def uhead_place_into(self, destination: RowDestination | str | None) -> bool:
-        """Write the coming generation's rows straight into ``destination``: a buffer object when
-        the engine side runs in this process, else a :class:`SharedDestination` as JSON (a
-        shared-memory file the engine side made). True on the recording rank."""
+        """Start a generation: drop the rows recorded before it, then write the coming
+        generation's rows straight into ``destination``: a buffer object when the engine side runs
+        in this process, else a :class:`SharedDestination` as JSON (a shared-memory file the
+        engine side made). True on the recording rank if the rows will be placed there."""
         rec = self._uhead_get_recorder()
         if rec is None:
             return False
+        rec.take()  # rows of requests made outside the generator
         if isinstance(destination, str):
             try:
                 destination = SharedDestination.from_json(destination).open()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,23 @@ import torch
 from .protocol import RowDestination
 
 
-def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
-               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
-    """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within capacity).
+@dataclass
+class ChunkSlots:
+    """Where one step's chunks (one per tagged request) go: per chunk the first row and capacity
+    of its request's slot and its row count; with sibling samples (see
+    :attr:`RowDestination.siblings`) also the prompt limit and the other members' first rows
+    (``sibling_first`` [C, M], -1 where a group has fewer than M others)."""
+
+    first: np.ndarray  # [C]
+    capacity: np.ndarray  # [C]
+    lens: np.ndarray  # [C]
+    sibling_limit: np.ndarray | None = None  # [C]
+    sibling_first: np.ndarray | None = None  # [C, M]
+
+
+def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
+    """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within
+    capacity), and rows below their group's prompt limit also to the siblings' slots.
 
     The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
     assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
@@ -30,14 +45,22 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
     here was 3-4x slower and took several GIL round trips per step).
     """
     pos = positions.numpy()
-    first = np.repeat(chunk_first, lens)
+    first = np.repeat(chunks.first, chunks.lens)
     index = first + pos
-    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunk_capacity, lens))
+    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
     rows = _byte_rows(hidden.to(dest.buffer.dtype))
     if inside.all():
         dest.byte_rows[index] = rows
     else:
         dest.byte_rows[index[inside]] = rows[inside]
+    if chunks.sibling_limit is None:
+        return
+    shared = np.flatnonzero(inside & (pos < np.repeat(chunks.sibling_limit, chunks.lens)))
+    if not shared.size:  # decode steps: every position is past its prompt
+        return
+    others = np.repeat(chunks.sibling_first, chunks.lens, axis=0)[shared]  # [S, M]
+    has = others >= 0
+    dest.byte_rows[(others + pos[shared, None])[has]] = rows[np.broadcast_to(shared[:, None], others.shape)[has]]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -55,9 +78,9 @@ class Placer:
         self._seconds = 0.0
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
-               chunk_first: np.ndarray, chunk_capacity: np.ndarray, lens: np.ndarray) -> None:
+               chunks: ChunkSlots) -> None:
         """Place a step once ``ready`` (a CUDA event, or None for rows already on the host)."""
-        item = (ready, dest, hidden, positions, chunk_first, chunk_capacity, lens)
+        item = (ready, dest, hidden, positions, chunks)
         if ready is None and self._thread is None:
             self._place(item)
             return
@@ -83,12 +106,12 @@ class Placer:
                 self._queue.task_done()
 
     def _place(self, item: tuple) -> None:
-        ready, dest, hidden, positions, chunk_first, chunk_capacity, lens = item
+        ready, dest, hidden, positions, chunks = item
         try:
             if ready is not None:
                 ready.synchronize()
             start = time.perf_counter()
-            place_step(dest, hidden, positions, chunk_first, chunk_capacity, lens)
+            place_step(dest, hidden, positions, chunks)
             self._seconds += time.perf_counter() - start
         except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
             if self._error is None:

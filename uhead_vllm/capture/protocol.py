@@ -167,11 +167,19 @@ class RowDestination:
     Rows then reach their final place while the engine still generates, instead of in one copy
     after it; the metadata (:class:`CapturedRows` with ``placed=True``) still comes back through
     fetch, so every row is still checked against the sequence's token before it is used.
+
+    ``siblings`` are groups ``(limit, tags)`` of samples of one prompt: a row any of them forwards
+    at a position below ``limit`` (the shared prompt's length, at most every member's capacity) is
+    written into every member's slot. vLLM computes a prompt's cached blocks for one sample only
+    and serves them to the others from its prefix cache; so every sample gets its prompt rows
+    during the generation instead of block copies after it.
     """
 
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
+    siblings: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
+    _groups: dict[int, tuple[int, list[int]]] = field(init=False, repr=False)  # tag -> (limit, siblings' firsts)
 
     def __post_init__(self) -> None:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
@@ -180,6 +188,17 @@ class RowDestination:
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
+        self._groups = {}
+        for limit, tags in self.siblings:
+            if any(t not in self.slots or self.slots[t][1] < limit or t in self._groups for t in tags):
+                raise ValueError(f"sibling group {tags}: every member needs a slot of at least {limit} rows "
+                                 "and belongs to one group")
+            for t in tags:
+                self._groups[t] = (limit, [self.slots[u][0] for u in tags if u != t])
+
+    def sibling_firsts(self, tag: int) -> tuple[int, list[int]]:
+        """``(limit, first rows of the other members' slots)`` of ``tag``'s group; (0, []) if none."""
+        return self._groups.get(tag, (0, []))
 
 
 @dataclass(frozen=True)
@@ -196,11 +215,13 @@ class SharedDestination:
     dtype: str
     slots: dict[int, tuple[int, int]]
     file_id: tuple[int, int] = (0, 0)  # (device, inode) of the file: a worker on another host has none
+    siblings: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # see RowDestination
 
     def to_json(self) -> str:
         return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
                            "slots": {str(t): list(s) for t, s in self.slots.items()},
-                           "file_id": list(self.file_id)})
+                           "file_id": list(self.file_id),
+                           "siblings": [[limit, list(tags)] for limit, tags in self.siblings]})
 
     @classmethod
     def from_json(cls, text: str) -> "SharedDestination":
@@ -209,7 +230,8 @@ class SharedDestination:
             raise ValueError(f"not a shared row destination: {text[:200]!r}")
         return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
-                   tuple(int(x) for x in d.get("file_id", (0, 0))))
+                   tuple(int(x) for x in d.get("file_id", (0, 0))),
+                   [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("siblings", ())])
 
     def open(self) -> RowDestination:
         """Map the engine side's file as the destination buffer. Raises ``FileNotFoundError``
@@ -223,7 +245,7 @@ class SharedDestination:
             raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
         rows, layers, hidden = self.shape
         buffer = torch.from_file(self.path, shared=True, size=rows * layers * hidden, dtype=_DTYPES[self.dtype])
-        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots))
+        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots), list(self.siblings))
 
 
 def encode_rows(rows: CapturedRows) -> bytes:

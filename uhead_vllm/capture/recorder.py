@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..adapters import ScheduledStep, StepOutputs
-from .placer import Placer
+from .placer import ChunkSlots, Placer
 from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
 
 
@@ -47,6 +47,15 @@ class _Batch:
     samples: np.ndarray  # [K]
     first: np.ndarray  # [K] first row of the tag's slot in the destination (-1: none)
     capacity: np.ndarray  # [K] rows of that slot
+    sibling_limit: np.ndarray | None  # [K] prompt rows shared with sibling samples (None: no groups)
+    sibling_first: np.ndarray | None  # [K, M] first rows of the siblings' slots (-1: none)
+
+    def chunk_slots(self, chunks: np.ndarray, lens: np.ndarray) -> ChunkSlots:
+        """Slot facts of the tagged requests ``chunks`` (indices into ``tagged``) for the placer."""
+        if self.sibling_limit is None:
+            return ChunkSlots(self.first[chunks], self.capacity[chunks], lens)
+        return ChunkSlots(self.first[chunks], self.capacity[chunks], lens, self.sibling_limit[chunks],
+                          self.sibling_first[chunks])
 
 
 @dataclass
@@ -168,8 +177,7 @@ class RowRecorder:
         tags = batch.tags[scheduled]
         if self.destination is not None:
             ready = self._copied if hidden.is_pinned() else None
-            self._placer.submit(ready, self.destination, hidden, meta[0], batch.first[scheduled],
-                                batch.capacity[scheduled], lens)
+            self._placer.submit(ready, self.destination, hidden, meta[0], batch.chunk_slots(scheduled, lens))
             hidden, new_bytes = None, 0
         self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
         self.bytes_held += new_bytes
@@ -183,13 +191,22 @@ class RowRecorder:
             return batch
         found = [(i, tag) for i, tag in enumerate(map(self._tags.get, req_ids)) if tag is not None]
         tags = np.asarray([t.tag for _, t in found], dtype=np.int64)
-        slots = self.destination.slots if self.destination is not None else {}
+        dest = self.destination
+        slots = dest.slots if dest is not None else {}
         where = [slots.get(t.tag, (-1, 0)) for _, t in found]
+        limit = first_of_siblings = None
+        if dest is not None and dest.siblings:
+            groups = [dest.sibling_firsts(t.tag) for _, t in found]
+            limit = np.asarray([n for n, _ in groups], dtype=np.int64)
+            first_of_siblings = np.full((len(groups), max((len(f) for _, f in groups), default=0)), -1, dtype=np.int64)
+            for k, (_, firsts) in enumerate(groups):
+                first_of_siblings[k, : len(firsts)] = firsts
         self._batch = _Batch(
             req_ids=list(req_ids), tagged=np.asarray([i for i, _ in found], dtype=np.int64), tags=tags,
             samples=np.asarray([t.sample for _, t in found], dtype=np.int64),
             first=np.asarray([a for a, _ in where], dtype=np.int64),
-            capacity=np.asarray([n for _, n in where], dtype=np.int64))
+            capacity=np.asarray([n for _, n in where], dtype=np.int64),
+            sibling_limit=limit, sibling_first=first_of_siblings)
         return self._batch
 
     def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -82,6 +82,7 @@ class GenerationStats:
     record_seconds: float = 0.0  # worker time on the engine's thread recording rows (first pass)
     place_seconds: float = 0.0  # worker time writing rows into place beside the engine (first pass)
     rows_from_store: int = 0
+    rows_from_siblings: int = 0  # prompt rows vLLM served from its prefix cache, written by a sibling sample
     rows_recomputed: int = 0
     recompute_requests: int = 0
     store_evictions: int = 0
@@ -310,8 +311,7 @@ class VllmHiddenStatesGenerator:
                 inputs.append(request.vllm_input)
                 child_params.append(child)
 
-        self.client.fetch()  # drop rows of requests made outside this generator
-        destination = self._destination(rendered, owners, child_params)
+        destination = self._destination(rendered, owners, child_params)  # drops rows recorded before
         request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
         captured = self.client.fetch()
         if captured.error:
@@ -321,7 +321,7 @@ class VllmHiddenStatesGenerator:
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, steering, request_outputs, last)
-        self._place_first_pass(seqs, list(owners), captured, destination)
+        stats.rows_from_siblings = self._place_first_pass(seqs, list(owners), captured, destination)
         if last:
             # The final token is never forwarded in context during generation; a row at its
             # position can only be a speculative draft's (possibly after a rejected token), so
@@ -330,7 +330,7 @@ class VllmHiddenStatesGenerator:
                 if q.last:
                     q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
-        stats.prefix_cache_rows = max(0, missing_before - stats.capture_missed_rows)
+        stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_siblings - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
         keys = [self.store.keys(q.expected, q.rows.shape[0], q.salt.encode()) for q in seqs]
@@ -407,13 +407,15 @@ class VllmHiddenStatesGenerator:
 
     def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
-        into while vLLM generates (see :class:`RowDestination`). None when that room would exceed
-        half the machine's memory even as untouched address space, or the backend cannot."""
+        into while vLLM generates (see :class:`RowDestination`), the samples of a prompt grouped
+        as siblings over the prompt's rows. None when that room would exceed half the machine's
+        memory even as untouched address space, or the backend cannot. Either way the rows the
+        worker recorded before (requests made outside this generator) are dropped."""
         texts = sorted({owners[t][0] for t in owners if not isinstance(rendered[owners[t][0]][0], dict)})
         # vLLM tokenizes text prompts itself; a longer result than counted here only costs a recompute.
         counted = self.tokenizer([rendered[i][1] for i in texts])["input_ids"] if texts else []
         n_text = {i: len(ids) for i, ids in zip(texts, counted)}
-        slots, first = {}, 0
+        slots, first, groups = {}, 0, {}
         for tag, params in zip(owners, child_params):
             i = owners[tag][0]
             vllm_input = rendered[i][0]
@@ -422,14 +424,18 @@ class VllmHiddenStatesGenerator:
             capacity = min(n_prompt + new, self.max_model_len)
             slots[tag] = (first, capacity)
             first += capacity
+            limit, tags = groups.get(i, (n_prompt, ()))
+            groups[i] = (min(limit, capacity), tags + (tag,))
         dtype = self.client.settings.torch_dtype
         row_bytes = self.columns * self.hidden_size * dtype.itemsize
         if first * row_bytes > _physical_memory() // 2:
+            self.client.fetch()
             return None
-        return self.client.place_into(slots, (first, self.columns, self.hidden_size))
+        siblings = [(limit, tags) for limit, tags in groups.values() if len(tags) > 1 and limit > 0]
+        return self.client.place_into(slots, (first, self.columns, self.hidden_size), siblings)
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
-                          destination: RowDestination | None) -> None:
+                          destination: RowDestination | None) -> int:
         """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
 
         A captured row counts only where its tag is ours, its position lies inside the sequence
@@ -437,7 +443,8 @@ class VllmHiddenStatesGenerator:
         after a rejected draft are forwarded again, and the last row forwarded at a position is
         the one that counts. Rows the worker already wrote into ``destination`` are only checked;
         otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
-        ``rows`` / ``valid`` are views of the shared buffers.
+        ``rows`` / ``valid`` are views of the shared buffers. Returns the rows a sibling sample
+        wrote (:meth:`_sibling_rows`).
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
@@ -455,6 +462,7 @@ class VllmHiddenStatesGenerator:
             first, capacity = cum[:-1], lens
         with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)
+        from_siblings = 0
         if captured.num_rows and total:
             seq_tags = torch.tensor(tags, dtype=torch.int64)
             order = torch.argsort(seq_tags)
@@ -480,6 +488,10 @@ class VllmHiddenStatesGenerator:
                         start += part.shape[0]
                 else:
                     buffer[hit] = captured.hidden[last[hit]]
+            if destination is not None and destination.siblings:
+                targets, good = self._sibling_rows(seqs, tags, destination, seq, pos, ours, match, cum)
+                from_siblings = int((good & ~hit[targets]).sum())
+                hit[targets] = good
             valid = hit
         for q, a, n, b, c in zip(seqs, first.tolist(), lens.tolist(), cum[:-1].tolist(), capacity.tolist()):
             q.valid = valid[b : b + n]
@@ -489,6 +501,50 @@ class VllmHiddenStatesGenerator:
                 with torch.inference_mode(False):
                     q.rows = torch.empty((n,) + tuple(buffer.shape[1:]), dtype=buffer.dtype)
                 q.rows[:c] = buffer[a : a + c]
+        return from_siblings
+
+    @staticmethod
+    def _sibling_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination, seq: torch.Tensor,
+                      pos: torch.Tensor, ours: torch.Tensor, match: torch.Tensor, cum: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which prompt rows of sibling samples hold a right row (see ``RowDestination.siblings``).
+
+        The worker wrote every row a group member forwarded at a position below the group's
+        limit into every member's slot, in an order this side does not know; so a member's row
+        at such a position counts only if some member forwarded it and every row forwarded
+        there carried the prompt's token (they are the same computation: same ids, same prefix).
+        Positions at or past the prompt vLLM actually ran (a text prompt tokenized differently
+        than counted) never count: a sibling's generated row may have landed there.
+        Returns the rows' indices among all sequences' rows and whether each counts.
+        """
+        index = {t: k for k, t in enumerate(tags)}
+        group = torch.full((len(seqs),), -1, dtype=torch.int64)
+        limits, prompts = [], []
+        for g, (limit, members) in enumerate(destination.siblings):
+            ks = [index[t] for t in members]
+            group[ks] = g
+            limits.append(limit)
+            prompts.append(min(len(seqs[k].expected) - len(seqs[k].output.token_ids) for k in ks))
+        limit, prompt = torch.tensor(limits), torch.tensor(prompts)
+        start = torch.zeros(len(limits) + 1, dtype=torch.int64)
+        start[1:] = limit.cumsum(0)
+        g_row = group[seq]  # per captured row (``seq`` is meaningful where ``ours``)
+        shared = ours & (g_row >= 0) & (pos < limit[g_row.clamp(min=0)])
+        key = start[g_row[shared]] + pos[shared]
+        forwarded = torch.zeros(int(start[-1]), dtype=torch.bool)
+        forwarded[key] = True
+        bad = torch.zeros_like(forwarded)
+        bad[key[~match[shared]]] = True
+        members = torch.nonzero(group >= 0).flatten()
+        g = group[members]
+        n = torch.minimum(limit[g], torch.tensor([seqs[k].num_rows for k in members.tolist()], dtype=torch.int64))
+        offsets = torch.zeros(len(n) + 1, dtype=torch.int64)
+        offsets[1:] = n.cumsum(0)
+        p = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], n)
+        targets = torch.repeat_interleave(cum[members], n) + p
+        key = torch.repeat_interleave(start[g], n) + p
+        good = forwarded[key] & ~bad[key] & (p < torch.repeat_interleave(prompt[g], n))
+        return targets, good
 
     @staticmethod
     def _occupied(seqs: list[_Seq]) -> dict[int, int]:

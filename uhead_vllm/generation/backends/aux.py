@@ -57,7 +57,8 @@ def capture_engine_kwargs(
 SHARED_MEMORY_DIR = "/dev/shm"
 
 
-def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: dict[int, tuple[int, int]]
+def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: dict[int, tuple[int, int]],
+                              siblings: list[tuple[int, tuple[int, ...]]] = (),
                               ) -> tuple[SharedDestination, RowDestination] | None:
     """A sparse shared-memory file of ``shape`` mapped here, or None when the file system lacks
     room for all of it (a write past its room would kill the worker with SIGBUS)."""
@@ -72,7 +73,7 @@ def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: di
     fd, path = tempfile.mkstemp(dir=SHARED_MEMORY_DIR, prefix="uhead-rows-")
     st = os.fstat(fd)
     os.close(fd)
-    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino))
+    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino), list(siblings))
     try:
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             return spec, spec.open()
@@ -106,18 +107,21 @@ class AuxClient:
             )
         return CaptureSettings.from_dict(recording[0]["settings"])
 
-    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int]) -> RowDestination | None:
-        """A buffer of ``shape`` the worker writes the next generation's rows into while it runs
-        (``slots``: request tag -> first row, capacity). In this process a plain tensor; with the
-        engine core in another process a shared-memory file both sides map. None where neither
-        can be had (the rows then come back with ``fetch``)."""
+    def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
+                   siblings: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
+        """Drop rows recorded before (one RPC with the hand-over) and give the worker a buffer of
+        ``shape`` to write the next generation's rows into while it runs (``slots``: request tag
+        -> first row, capacity; ``siblings``: see :class:`RowDestination`). In this process a
+        plain tensor; with the engine core in another process a shared-memory file both sides
+        map. None where neither can be had (the rows then come back with ``fetch``)."""
         dtype = self.settings.dtype
         if engine_internals.worker_in_process(self.llm):
-            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots)
+            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(siblings))
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return destination if placed else None
-        shared = create_shared_destination(shape, dtype, slots)
+        shared = create_shared_destination(shape, dtype, slots, siblings)
         if shared is None:
+            self.fetch()
             return None
         spec, destination = shared
         try:

@@ -159,8 +159,10 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple) -> None:
-        """Rows of this backend arrive as files after the generation: never placed while it runs."""
+    def place_into(self, slots: dict, shape: tuple, siblings: list = ()) -> None:
+        """Rows of this backend arrive as files after the generation: never placed while it runs;
+        earlier rows are dropped."""
+        self.fetch()
         return None
 
     def fetch(self) -> CapturedRows:
