@@ -79,6 +79,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
                                   big if spec["kind"] == "ours" else None)
     if spec["kind"] == "ours":
         result["after_pass_profile"] = after_pass_profile(runner, big)
+        result["after_pass_profile_smallest"] = after_pass_profile(runner, Workload(min(BATCHES), N, MAX_TOKENS))
     runner.close()
     return result
 
