@@ -6,7 +6,8 @@ is short, so that time shows directly in throughput. This drives :class:`RowReco
 synthetic steps shaped like the benchmark's (``K`` requests: one prefill of ``--prompt`` tokens,
 then one-token decode steps; three bf16 aux outputs of ``--hidden`` columns on the device, padded
 like CUDA-graph outputs), with a row destination and its placer thread as in a real generation,
-and a device sleep per step standing in for the forward. It reports the mean host time of
+and a device sleep per step standing in for the forward (the host waits for the step before
+each, as vLLM's asynchronous scheduling waits for the sampled tokens). It reports the mean host time of
 ``on_forward`` per decode step and a cProfile of those calls (what each torch / numpy call costs).
 
     python -m experiments.gpu.bench_recorder --out DIR [--requests 16 256] [--steps 128]
@@ -53,7 +54,7 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
     aux = [torch.randn(padded, hidden, device=device, dtype=torch.bfloat16) for _ in LAYERS]
     input_ids = torch.randint(0, 1000, (padded,), device=device, dtype=torch.int32)
     cycles = int(forward_ms * 1.4e6)  # ~1.4 GHz clock: torch.cuda._sleep counts cycles
-    times, prof = [], cProfile.Profile() if profile else None
+    times, prof, forward_done = [], cProfile.Profile() if profile else None, []
     for step in range(steps + 1):
         new = [(r, RequestTag(t, t % SAMPLES).to_extra_args()) for t, r in enumerate(req_ids)] if step == 0 else []
         n = prompt if step == 0 else 1
@@ -64,6 +65,8 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
             positions = torch.cat([positions, torch.zeros(padded - positions.numel(), device=device, dtype=torch.int64)])
         if device.type == "cuda":
             torch.cuda._sleep(cycles)  # the forward the copies queue behind
+            forward_done.append(torch.cuda.Event())
+            forward_done[-1].record()
         out = StepOutputs(req_ids, np.arange(k + 1, dtype=np.int32) * n, positions, input_ids, aux)
         t0 = time.perf_counter()
         if prof is not None and step:
@@ -73,6 +76,8 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
             prof.disable()
         if step:
             times.append(time.perf_counter() - t0)
+        if len(forward_done) > 1:  # vLLM (async scheduling) waits for the step before's sampled tokens
+            forward_done[-2].synchronize()
     t0 = time.perf_counter()
     rows = rec.take()
     drain = time.perf_counter() - t0
