@@ -152,3 +152,24 @@ def test_host_buffer_is_a_writable_tensor_that_keeps_its_mapping_alive():
 
     gc.collect()
     assert tail.float().flatten().tolist() == [float(i % 200) for i in range(3 * 2 * 64)]
+
+
+def test_pinned_ring_hands_out_fifo_regions_and_never_one_still_being_placed():
+    from uhead_vllm.capture.staging import PinnedRing
+
+    ring = PinnedRing(256, pin=False)  # the bookkeeping is the same with or without pinning
+    a, end_a = ring.take(100)  # [0, 128)
+    b, end_b = ring.take(100)  # [128, 256)
+    assert a.numel() == b.numel() == 100 and b.data_ptr() - a.data_ptr() == 128
+    assert ring.take(1) is None  # full until the placer releases the oldest region
+    ring.release(end_a)
+    c, end_c = ring.take(64)  # the released room at the start
+    assert c.data_ptr() == a.data_ptr()
+    assert ring.take(100) is None  # 64 bytes left before b's region: never across b or the end
+    ring.release(end_b)
+    d, _ = ring.take(100)
+    assert d.data_ptr() == a.data_ptr() + 64
+    assert ring.take(300) is None  # larger than the ring: the caller allocates instead
+    assert ring.take(65) is None  # 64 bytes left (c and d hold the rest)
+    (rows,), _ = ring.host_copies((torch.zeros(3, 2, dtype=torch.bfloat16),))
+    assert rows.shape == (3, 2) and rows.dtype == torch.bfloat16 and rows.data_ptr() == a.data_ptr() + 192

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -78,9 +78,10 @@ class Placer:
         self._seconds = 0.0
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
-               chunks: ChunkSlots) -> None:
-        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host)."""
-        item = (ready, dest, hidden, positions, chunks)
+               chunks: ChunkSlots, done: Callable[[], None] | None = None) -> None:
+        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host);
+        ``done`` runs after it, placed or not (it frees the step's staging memory)."""
+        item = (ready, dest, hidden, positions, chunks, done)
         if ready is None and self._thread is None:
             self._place(item)
             return
@@ -106,7 +107,7 @@ class Placer:
                 self._queue.task_done()
 
     def _place(self, item: tuple) -> None:
-        ready, dest, hidden, positions, chunks = item
+        ready, dest, hidden, positions, chunks, done = item
         try:
             if ready is not None:
                 ready.synchronize()
@@ -116,3 +117,6 @@ class Placer:
         except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
             if self._error is None:
                 self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"
+        finally:
+            if done is not None:
+                done()

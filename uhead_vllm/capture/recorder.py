@@ -15,15 +15,22 @@ last two means capture missed rows (never the prefix cache: cached tokens are no
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from ..adapters import ScheduledStep, StepOutputs
 from .placer import ChunkSlots, Placer
+from .staging import PinnedRing
 from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
+
+
+#: Pinned staging memory for steps the placer consumes (larger steps allocate their own).
+STAGING_BYTES = 64 << 20
 
 
 @dataclass
@@ -82,6 +89,7 @@ class RowRecorder:
     record_seconds: float = 0.0  # host time the engine's thread spent recording (this generation)
     destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
+    _staging: PinnedRing | None = None  # pinned memory for steps on their way to the placer (GPU)
 
     def __post_init__(self) -> None:
         # Map requested layer order onto the (sorted) aux output order.
@@ -173,11 +181,12 @@ class RowRecorder:
             meta_parts.append(torch.stack([positions[a:b].to(torch.int64), step.input_ids[a:b].to(torch.int64)]))
         hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
         meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
-        hidden, meta = self._to_host(hidden, meta)
+        on_device = hidden.device.type == "cuda"
+        (hidden, meta), release = self._to_host(hidden, meta)
         tags = batch.tags[scheduled]
         if self.destination is not None:
-            ready = self._copied if hidden.is_pinned() else None
-            self._placer.submit(ready, self.destination, hidden, meta[0], batch.chunk_slots(scheduled, lens))
+            self._placer.submit(self._copied if on_device else None, self.destination, hidden, meta[0],
+                                batch.chunk_slots(scheduled, lens), release)
             hidden, new_bytes = None, 0
         self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
         self.bytes_held += new_bytes
@@ -209,17 +218,29 @@ class RowRecorder:
             sibling_limit=limit, sibling_first=first_of_siblings)
         return self._batch
 
-    def _to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def _to_host(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         """Host copies of freshly gathered tensors; on a GPU asynchronous into pinned memory, on a
         stream of its own (one wait, one event for all), so the next step's forward never queues
-        behind the copies."""
+        behind the copies. The first tensor (the rows), when the placer consumes it, is staged in
+        the reused pinned ring; the second value, when not None, frees its region once placed.
+        The others (metadata) stay until fetched, in memory of their own."""
         if tensors[0].device.type != "cuda":
-            return list(tensors)  # already new tensors (stack/cat copies), never engine buffers
+            return list(tensors), None  # already new tensors (stack/cat copies), never engine buffers
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=tensors[0].device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(tensors[0].device))  # the gathers that made them
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors[1:]]
+        staged = release = None
+        if self.destination is not None:  # the placer consumes the rows in order: ring memory
+            if self._staging is None:
+                self._staging = PinnedRing(STAGING_BYTES)
+            staged = self._staging.host_copies(tensors[:1])
+        if staged is not None:
+            hosts.insert(0, staged[0][0])
+            release = functools.partial(self._staging.release, staged[1])
+        else:  # rows kept until fetched, or a step larger than the ring's free room
+            hosts.insert(0, torch.empty(tensors[0].shape, dtype=tensors[0].dtype, pin_memory=True))
         with torch.cuda.stream(stream):
             for host, t in zip(hosts, tensors):
                 host.copy_(t, non_blocking=True)
@@ -227,7 +248,7 @@ class RowRecorder:
             event = torch.cuda.Event()
             event.record(stream)
         self._copied = event
-        return hosts
+        return hosts, release
 
     # ------------------------------------------------------------------ fetch
     def place_into(self, destination: RowDestination | None) -> None:
