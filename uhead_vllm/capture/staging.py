@@ -3,7 +3,7 @@
 Each step's rows travel device -> pinned host memory -> the caller's row buffer. Allocating the
 pinned memory per step (``torch.empty(..., pin_memory=True)``) went through PyTorch's caching
 host allocator on the engine's thread; on an H100 with 256 requests per step that call took
-~2.5 ms per step (bench_recorder, session 9) — more than the rest of recording. Steps handed to
+~2.5 ms (two per step; bench_recorder, session 9), more than the rest of recording. Steps handed to
 the placer are consumed strictly in order, so one fixed pinned ring serves them all: a region is
 free again as soon as the placer has written its rows to their place. (Only rows: what a step
 keeps until the fetch, its metadata, must not live here.)
