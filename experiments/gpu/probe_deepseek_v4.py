@@ -11,7 +11,9 @@ MoE (``build_parts.sh`` drops ``_moe_C_stable_libtorch.abi3.so``; this probe put
 
 * ``patched-eager``: vLLM with its TileLang mHC ops and its DeepGEMM output projection replaced by
   plain torch (the same math as vLLM's own ``kernels/mhc/torch.py`` and its inverse-RoPE
-  kernel, checked against Hugging Face on the CPU first, stage ``patch_selfcheck``),
+  kernel, checked against Hugging Face on the CPU first, stage ``patch_selfcheck``), and
+  ``SlidingWindowMLASpec.merge`` keeping ``kv_quant_mode`` (vLLM 0.26 drops it, so an all-sliding
+  model got a 512-byte instead of a 584-byte ``fp8_ds_mla`` SWA cache, see the function),
   ``VLLM_USE_DEEP_GEMM=0``, ``kv_cache_dtype="fp8"``, ``enforce_eager=True``;
 * ``patched-graphs``: the same with CUDA graphs (vLLM's breakable graphs for this model), only
   if eager generated tokens;
@@ -163,7 +165,8 @@ def o_proj(o, positions, cos_sin_cache, wo_a, wo_b, *, n_groups, heads_per_group
 
 def apply_patches() -> dict[str, Any]:
     """Swap the NVIDIA DeepSeek-V4 model's TileLang mHC ops and DeepGEMM output projection for the
-    torch versions above (module globals, looked up at call time)."""
+    torch versions above (module globals, looked up at call time), and make the merged sliding-window
+    KV spec keep its quant mode (:func:`_patch_swa_spec_merge`)."""
     import vllm.models.deepseek_v4.nvidia.flashmla as fm
     import vllm.models.deepseek_v4.nvidia.model as m
 
@@ -176,7 +179,32 @@ def apply_patches() -> dict[str, Any]:
             raise AttributeError(f"{module.__name__} has no {name}: vLLM changed, update the probe")
         setattr(module, name, fn)
         done.append(f"{module.__name__}.{name}")
+    done.append(_patch_swa_spec_merge())
     return {"patched": done}
+
+
+def _patch_swa_spec_merge() -> str:
+    """vLLM 0.26's ``SlidingWindowMLASpec.merge`` drops ``kv_quant_mode`` (its ``MLAAttentionSpec.merge``
+    keeps it). With sliding-window layers only, every layer's spec is the same, so the group takes the
+    merged spec (``create_kv_cache_group_specs``), its quant mode reads NONE, the model runner asks the
+    SWA backend for the ``"auto"`` shape ``(blocks, 64, 512)`` instead of ``fp8_ds_mla``'s
+    ``(blocks, 64, 584)``, and FlashMLA's sparse decode refuses it (``kv must have shape``). Released
+    DeepSeek-V4 mixes layer types, takes per-layer specs and never merges. vLLM PR #47716 fixes it
+    upstream; here the merged spec gets the layers' mode back."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    merge = SlidingWindowMLASpec.merge.__func__
+
+    def merge_keeping_quant_mode(cls, specs):
+        merged = merge(cls, specs)
+        if merged.kv_quant_mode != specs[0].kv_quant_mode:
+            merged = dataclasses.replace(merged, kv_quant_mode=specs[0].kv_quant_mode)
+        return merged
+
+    SlidingWindowMLASpec.merge = classmethod(merge_keeping_quant_mode)
+    return "vllm.v1.kv_cache_interface.SlidingWindowMLASpec.merge (keeps kv_quant_mode)"
 
 
 # ---------------------------------------------------------------------------------------------
