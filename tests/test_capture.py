@@ -127,7 +127,7 @@ def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     assert int(meta["rows_placed"]) == int(meta["rows_captured"]) > 0
-    assert int(meta["rows_from_siblings"]) > 0 and int(meta["rows_from_store"]) == 0
+    assert int(meta["rows_from_shared_prefix"]) > 0 and int(meta["rows_from_store"]) == 0
     samples = sorted(k[: -len("_ids")] for k in t if k.startswith("gen_") and k.endswith("_ids"))
     assert len(samples) == 4
     for key in samples:

@@ -193,15 +193,17 @@ def test_n_samples_match_vllm_seeding_and_share_prompt_rows(llm, model_path):
         assert torch.allclose(s.hidden[:p], samples[0].hidden[:p], atol=1e-5)
 
 
-def test_samples_get_their_cached_prompt_rows_from_a_sibling_during_the_pass(llm, model_path):
-    """vLLM computes a long prompt's full blocks for one sample and serves them to the others from
-    its prefix cache; the worker writes the computed rows into every sample's slot as they come,
-    so nothing is copied from the row store afterwards."""
+def test_requests_get_their_cached_prompt_rows_from_the_one_that_forwarded_them(llm, model_path):
+    """vLLM computes a shared prompt prefix once and serves it to the other requests from its
+    prefix cache: the samples of one prompt, and prompts that share whole blocks. The worker writes
+    the forwarded rows into every request sharing them as they come, so nothing is copied from
+    the row store afterwards."""
     gen = VllmHiddenStatesGenerator(llm)
     gen.reset_hs_step_cache(reset_prefix_cache=True)
-    res = gen.generate([SHARED * 3 + "3 * 4 =", "red cat"], SamplingParams(n=4, max_tokens=5, temperature=1.0, seed=3))
+    prompts = [SHARED * 3 + "3 * 4 =", SHARED * 3 + "the mat is", "red cat"]  # 2 blocks shared
+    res = gen.generate(prompts, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3))
     st = res.stats
-    assert st.prefix_cache_rows > 0 and st.rows_from_siblings == st.prefix_cache_rows
+    assert st.prefix_cache_rows > 3 * 2 * 32 and st.rows_from_shared_prefix == st.prefix_cache_rows
     assert st.rows_from_store == 0 and st.rows_recomputed == 0 and st.rows_placed == st.rows_captured
     check_all(model_path, res)
 

@@ -24,10 +24,10 @@ class Gate:
         assert self.opened.wait(10), "placer waited for a copy that never became ready"
 
 
-def slots(first, capacity, lens, sibling_limit=None, sibling_first=None):
+def slots(first, capacity, lens, mirror_first=None, mirror_limit=None):
     """Per-chunk slot facts as the recorder hands them to the placer."""
     a = lambda x: None if x is None else np.asarray(x, dtype=np.int64)  # noqa: E731
-    return ChunkSlots(a(first), a(capacity), a(lens), a(sibling_limit), a(sibling_first))
+    return ChunkSlots(a(first), a(capacity), a(lens), a(mirror_first), a(mirror_limit))
 
 
 def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
@@ -70,30 +70,62 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
     assert placer.drain()[0] is None  # reported once
 
 
-def test_prompt_rows_also_reach_sibling_slots_below_the_limit_only():
-    # tags 1, 2, 3 sample one 3-token prompt (limit 3); tag 4 is alone
-    dest = RowDestination(torch.zeros(20, 1, 1), {1: (0, 5), 2: (5, 5), 3: (10, 5), 4: (15, 5)},
-                          [(3, (1, 2, 3))])
-    assert dest.sibling_firsts(2) == (3, [0, 10]) and dest.sibling_firsts(4) == (0, [])
+def mirrors(dest, tag):
+    """The destination's mirror table row of ``tag`` as {first row of another slot: shared limit}."""
+    k = dest.mirror_row[tag]
+    return {int(f): int(n) for f, n in zip(dest.mirror_first[k], dest.mirror_limit[k]) if f >= 0}
+
+
+def test_prefix_groups_become_per_pair_limits_the_deepest_shared_group_decides():
+    # tags 1-3 sample one 5-token prompt; tag 4's prompt shares its first 2 tokens (a block); 5 is alone
+    dest = RowDestination(torch.zeros(30, 1, 1), {t: (5 * (t - 1), 5) for t in range(1, 6)},
+                          [(5, (1, 2, 3)), (2, (1, 2, 3, 4))])
+    assert mirrors(dest, 1) == {5: 5, 10: 5, 15: 2} and mirrors(dest, 4) == {0: 2, 5: 2, 10: 2}
+    assert 5 not in dest.mirror_row and dest.mirror_first.shape == (5, 4)
+
+
+def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
+    dest = RowDestination(torch.zeros(25, 1, 1), {1: (0, 5), 2: (5, 5), 3: (10, 5), 4: (15, 5), 5: (20, 5)},
+                          [(3, (1, 2, 3)), (2, (1, 2, 3, 4))])
     placer = Placer()
     # tag 1 forwards its whole prompt (0-2) and one generated row (3); tag 2 only its last prompt
-    # row (2, the rest came from the prefix cache) and row 3; tag 4 rows 0-1
-    rows = torch.tensor([10.0, 11, 12, 13, 22, 23, 40, 41]).view(8, 1, 1)
-    placer.submit(None, dest, rows, torch.tensor([0, 1, 2, 3, 2, 3, 0, 1]),
-                  slots([0, 5, 15], [5, 5, 5], [4, 2, 2], [3, 3, 0], [[5, 10], [0, 10], [-1, -1]]))
+    # row (2, the rest came from the prefix cache) and row 3; tag 4 its own third token (2) and
+    # row 3 (positions 0-1 came from tag 1's blocks); tag 5 (no group) rows 0-1
+    rows = torch.tensor([10.0, 11, 12, 13, 22, 23, 42, 43, 50, 51]).view(10, 1, 1)
+    table = lambda t: (dest.mirror_first[dest.mirror_row[t]], dest.mirror_limit[dest.mirror_row[t]])  # noqa: E731
+    f1, l1 = table(1)
+    f2, l2 = table(2)
+    f4, l4 = table(4)
+    placer.submit(None, dest, rows, torch.tensor([0, 1, 2, 3, 2, 3, 2, 3, 0, 1]),
+                  slots([0, 5, 15, 20], [5, 5, 5, 5], [4, 2, 2, 2], [f1, f2, f4, [-1] * 4], [l1, l2, l4, [0] * 4]))
     assert placer.drain()[0] is None
     b = dest.buffer.flatten().tolist()
-    # Position 2 was forwarded by tags 1 and 2 (the same computation): any member's slot may end
-    # with either row. Generated rows (position 3) stay in their own slot.
+    # Position 2 of the prompt was forwarded by tags 1 and 2 (the same computation): any member's
+    # slot may end with either row. Generated rows (position 3) stay in their own slot.
     for first, generated in ((0, 13), (5, 23), (10, 0)):
         assert b[first : first + 2] == [10, 11] and b[first + 2] in (12, 22)
         assert b[first + 3 : first + 5] == [generated, 0]
-    assert b[15:20] == [40, 41, 0, 0, 0]  # no group: nothing mirrored
+    assert b[15:20] == [10, 11, 42, 43, 0]  # the shared block from tag 1, its own third token
+    assert b[20:25] == [50, 51, 0, 0, 0]  # no group: nothing mirrored
 
 
-def test_sibling_groups_must_fit_their_members_slots():
+def test_prefix_groups_must_fit_their_members_slots_and_nest():
     with pytest.raises(ValueError, match="at least 4 rows"):
         RowDestination(torch.zeros(6, 1, 1), {1: (0, 3), 2: (3, 3)}, [(4, (1, 2))])
+    with pytest.raises(ValueError, match="nested or disjoint"):
+        RowDestination(torch.zeros(9, 1, 1), {1: (0, 3), 2: (3, 3), 3: (6, 3)}, [(1, (1, 2)), (2, (2, 3))])
+
+
+def test_prefix_groups_of_a_call():
+    from uhead_vllm.generation.prefix_groups import prefix_groups
+
+    head = [7, 7, 7, 7]  # one 4-token block every prompt starts with
+    groups = prefix_groups([(b"", head + [1, 2], [10, 11]), (b"", head + [1, 3], [12]),
+                            (b"", head + [5, 5, 5, 5, 9], [13]), (b"", head + [1, 2], [14]),
+                            (b"salt", head + [1, 2], [15, 16])], block_size=4)
+    # identical prompts (tags 10, 11, 14) over the whole prompt; the shared block over all
+    # unsalted prompts; a steered (salted) prompt shares nothing with the others
+    assert sorted(groups) == [(4, (10, 11, 14, 12, 13)), (6, (10, 11, 14)), (6, (15, 16))]
 
 
 def test_destination_refuses_slots_outside_its_buffer():
@@ -112,7 +144,7 @@ def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp
         theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
         theirs.buffer[2] = 7.0
         assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 3), 5: (3, 3)}
-        assert theirs.siblings == [(2, (4, 5))] and theirs.sibling_firsts(5) == (2, [0])
+        assert theirs.groups == [(2, (4, 5))] and mirrors(theirs, 5) == {0: 2}
         other = tmp_path / "same-name-elsewhere"
         other.write_bytes(b"\0" * 72)
         moved = SharedDestination(str(other), spec.shape, spec.dtype, spec.slots, spec.file_id)

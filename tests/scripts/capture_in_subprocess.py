@@ -4,7 +4,7 @@ Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
-prefix cache, from the sibling that computed them), and are saved too.
+prefix cache, from the request that computed them), and are saved too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     st = res.stats
     save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
                                       "rows_captured": str(st.rows_captured),
-                                      "rows_from_siblings": str(st.rows_from_siblings),
+                                      "rows_from_shared_prefix": str(st.rows_from_shared_prefix),
                                       "rows_from_store": str(st.rows_from_store)})
 
 

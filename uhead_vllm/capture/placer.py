@@ -24,20 +24,20 @@ from .protocol import RowDestination
 @dataclass
 class ChunkSlots:
     """Where one step's chunks (one per tagged request) go: per chunk the first row and capacity
-    of its request's slot and its row count; with sibling samples (see
-    :attr:`RowDestination.siblings`) also the prompt limit and the other members' first rows
-    (``sibling_first`` [C, M], -1 where a group has fewer than M others)."""
+    of its request's slot and its row count; with prefix groups (:attr:`RowDestination.groups`)
+    also the first rows of the slots that share its prompt prefix and how many rows each shares
+    (``mirror_first`` / ``mirror_limit`` [C, M]; -1 / 0 where there are fewer than M)."""
 
     first: np.ndarray  # [C]
     capacity: np.ndarray  # [C]
     lens: np.ndarray  # [C]
-    sibling_limit: np.ndarray | None = None  # [C]
-    sibling_first: np.ndarray | None = None  # [C, M]
+    mirror_first: np.ndarray | None = None  # [C, M]
+    mirror_limit: np.ndarray | None = None  # [C, M]
 
 
 def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
     """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within
-    capacity), and rows below their group's prompt limit also to the siblings' slots.
+    capacity), and prompt rows also to the slots that share them (below each one's limit).
 
     The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
     assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
@@ -53,14 +53,16 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
         dest.byte_rows[index] = rows
     else:
         dest.byte_rows[index[inside]] = rows[inside]
-    if chunks.sibling_limit is None:
+    if chunks.mirror_first is None:
         return
-    shared = np.flatnonzero(inside & (pos < np.repeat(chunks.sibling_limit, chunks.lens)))
+    shared = np.flatnonzero(inside & (pos < np.repeat(chunks.mirror_limit.max(1, initial=0), chunks.lens)))
     if not shared.size:  # decode steps: every position is past its prompt
         return
-    others = np.repeat(chunks.sibling_first, chunks.lens, axis=0)[shared]  # [S, M]
-    has = others >= 0
-    dest.byte_rows[(others + pos[shared, None])[has]] = rows[np.broadcast_to(shared[:, None], others.shape)[has]]
+    chunk = np.repeat(np.arange(len(chunks.lens)), chunks.lens)[shared]
+    at = pos[shared, None]
+    to = chunks.mirror_first[chunk] + at  # [S, M]
+    ok = (chunks.mirror_first[chunk] >= 0) & (at < chunks.mirror_limit[chunk])
+    dest.byte_rows[to[ok]] = rows[np.broadcast_to(shared[:, None], ok.shape)[ok]]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:

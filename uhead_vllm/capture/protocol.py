@@ -168,18 +168,23 @@ class RowDestination:
     after it; the metadata (:class:`CapturedRows` with ``placed=True``) still comes back through
     fetch, so every row is still checked against the sequence's token before it is used.
 
-    ``siblings`` are groups ``(limit, tags)`` of samples of one prompt: a row any of them forwards
-    at a position below ``limit`` (the shared prompt's length, at most every member's capacity) is
-    written into every member's slot. vLLM computes a prompt's cached blocks for one sample only
-    and serves them to the others from its prefix cache; so every sample gets its prompt rows
-    during the generation instead of block copies after it.
+    ``groups`` are ``(limit, tags)``: requests whose prompts agree on their first ``limit`` tokens
+    (the samples of one prompt; prompts sharing a chat template's blocks), a laminar family (two
+    groups are nested or disjoint, the smaller one with the longer limit). vLLM forwards such a
+    prefix for one request and serves it to the others from its prefix cache; so a row a member
+    forwards at a position below the limit of the deepest group it shares with another member is
+    also written into that member's slot, during the generation instead of as block copies after.
     """
 
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
-    siblings: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
-    _groups: dict[int, tuple[int, list[int]]] = field(init=False, repr=False)  # tag -> (limit, siblings' firsts)
+    # Per grouped tag (``mirror_row[tag]``): the first rows of the other members of its largest
+    # group and the limit shared with each ([T + 1, M]; the last row: no group; -1 / 0 padding).
+    mirror_row: dict[int, int] = field(init=False, repr=False)
+    mirror_first: np.ndarray = field(init=False, repr=False)
+    mirror_limit: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
@@ -188,17 +193,33 @@ class RowDestination:
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
-        self._groups = {}
-        for limit, tags in self.siblings:
-            if any(t not in self.slots or self.slots[t][1] < limit or t in self._groups for t in tags):
-                raise ValueError(f"sibling group {tags}: every member needs a slot of at least {limit} rows "
-                                 "and belongs to one group")
-            for t in tags:
-                self._groups[t] = (limit, [self.slots[u][0] for u in tags if u != t])
+        self._build_mirrors()
 
-    def sibling_firsts(self, tag: int) -> tuple[int, list[int]]:
-        """``(limit, first rows of the other members' slots)`` of ``tag``'s group; (0, []) if none."""
-        return self._groups.get(tag, (0, []))
+    def _build_mirrors(self) -> None:
+        """Dense per-tag mirror tables, so the worker's batch facts are array lookups."""
+        ordered = sorted(self.groups, key=lambda g: (g[0], -len(g[1])))  # largest (shortest limit) first
+        root: dict[int, tuple[int, ...]] = {}  # tag -> members of its largest group
+        for limit, tags in ordered:
+            if any(t not in self.slots or self.slots[t][1] < limit for t in tags):
+                raise ValueError(f"prefix group {tags}: every member needs a slot of at least {limit} rows")
+            if len(set(tags)) != len(tags) or any(root.get(t, tags) is not root.get(tags[0], tags) for t in tags):
+                raise ValueError(f"prefix group {tags}: groups must be nested or disjoint")
+            for t in tags:
+                root.setdefault(t, tags)
+        roots = list({id(r): r for r in root.values()}.values())
+        width = max((len(r) for r in roots), default=0)
+        self.mirror_row = {t: k for k, t in enumerate(root)}
+        self.mirror_first = np.full((len(root) + 1, width), -1, dtype=np.int64)
+        self.mirror_limit = np.zeros((len(root) + 1, width), dtype=np.int64)
+        column = {t: c for r in roots for c, t in enumerate(r)}
+        for r in roots:
+            rows = [self.mirror_row[t] for t in r]
+            self.mirror_first[np.ix_(rows, range(len(r)))] = [self.slots[t][0] for t in r]
+        for limit, tags in ordered:  # deeper groups overwrite the limit their members share
+            self.mirror_limit[np.ix_([self.mirror_row[t] for t in tags], [column[t] for t in tags])] = limit
+        for t, k in self.mirror_row.items():  # never onto itself
+            self.mirror_first[k, column[t]] = -1
+            self.mirror_limit[k, column[t]] = 0
 
 
 @dataclass(frozen=True)
@@ -215,13 +236,13 @@ class SharedDestination:
     dtype: str
     slots: dict[int, tuple[int, int]]
     file_id: tuple[int, int] = (0, 0)  # (device, inode) of the file: a worker on another host has none
-    siblings: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # see RowDestination
+    groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # see RowDestination
 
     def to_json(self) -> str:
         return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
                            "slots": {str(t): list(s) for t, s in self.slots.items()},
                            "file_id": list(self.file_id),
-                           "siblings": [[limit, list(tags)] for limit, tags in self.siblings]})
+                           "groups": [[limit, list(tags)] for limit, tags in self.groups]})
 
     @classmethod
     def from_json(cls, text: str) -> "SharedDestination":
@@ -231,7 +252,7 @@ class SharedDestination:
         return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
                    tuple(int(x) for x in d.get("file_id", (0, 0))),
-                   [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("siblings", ())])
+                   [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())])
 
     def open(self) -> RowDestination:
         """Map the engine side's file as the destination buffer. Raises ``FileNotFoundError``
@@ -245,7 +266,7 @@ class SharedDestination:
             raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
         rows, layers, hidden = self.shape
         buffer = torch.from_file(self.path, shared=True, size=rows * layers * hidden, dtype=_DTYPES[self.dtype])
-        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots), list(self.siblings))
+        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots), list(self.groups))
 
 
 def encode_rows(rows: CapturedRows) -> bytes:

@@ -54,15 +54,15 @@ class _Batch:
     samples: np.ndarray  # [K]
     first: np.ndarray  # [K] first row of the tag's slot in the destination (-1: none)
     capacity: np.ndarray  # [K] rows of that slot
-    sibling_limit: np.ndarray | None  # [K] prompt rows shared with sibling samples (None: no groups)
-    sibling_first: np.ndarray | None  # [K, M] first rows of the siblings' slots (-1: none)
+    mirror_first: np.ndarray | None  # [K, M] first rows of the slots sharing a prefix (-1: none)
+    mirror_limit: np.ndarray | None  # [K, M] how many prompt rows each shares (None: no groups)
 
     def chunk_slots(self, chunks: np.ndarray, lens: np.ndarray) -> ChunkSlots:
         """Slot facts of the tagged requests ``chunks`` (indices into ``tagged``) for the placer."""
-        if self.sibling_limit is None:
+        if self.mirror_first is None:
             return ChunkSlots(self.first[chunks], self.capacity[chunks], lens)
-        return ChunkSlots(self.first[chunks], self.capacity[chunks], lens, self.sibling_limit[chunks],
-                          self.sibling_first[chunks])
+        return ChunkSlots(self.first[chunks], self.capacity[chunks], lens, self.mirror_first[chunks],
+                          self.mirror_limit[chunks])
 
 
 @dataclass
@@ -203,19 +203,16 @@ class RowRecorder:
         dest = self.destination
         slots = dest.slots if dest is not None else {}
         where = [slots.get(t.tag, (-1, 0)) for _, t in found]
-        limit = first_of_siblings = None
-        if dest is not None and dest.siblings:
-            groups = [dest.sibling_firsts(t.tag) for _, t in found]
-            limit = np.asarray([n for n, _ in groups], dtype=np.int64)
-            first_of_siblings = np.full((len(groups), max((len(f) for _, f in groups), default=0)), -1, dtype=np.int64)
-            for k, (_, firsts) in enumerate(groups):
-                first_of_siblings[k, : len(firsts)] = firsts
+        mirror_first = mirror_limit = None
+        if dest is not None and dest.groups:
+            rows = [dest.mirror_row.get(t.tag, -1) for _, t in found]  # -1: the table's "no group" row
+            mirror_first, mirror_limit = dest.mirror_first[rows], dest.mirror_limit[rows]
         self._batch = _Batch(
             req_ids=list(req_ids), tagged=np.asarray([i for i, _ in found], dtype=np.int64), tags=tags,
             samples=np.asarray([t.sample for _, t in found], dtype=np.int64),
             first=np.asarray([a for a, _ in where], dtype=np.int64),
             capacity=np.asarray([n for _, n in where], dtype=np.int64),
-            sibling_limit=limit, sibling_first=first_of_siblings)
+            mirror_first=mirror_first, mirror_limit=mirror_limit)
         return self._batch
 
     def _to_host(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None] | None]:

@@ -26,6 +26,7 @@ from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
+from .prefix_groups import prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import SteeredRequest, steer_request, step_key
@@ -82,7 +83,7 @@ class GenerationStats:
     record_seconds: float = 0.0  # worker time on the engine's thread recording rows (first pass)
     place_seconds: float = 0.0  # worker time writing rows into place beside the engine (first pass)
     rows_from_store: int = 0
-    rows_from_siblings: int = 0  # prompt rows vLLM served from its prefix cache, written by a sibling sample
+    rows_from_shared_prefix: int = 0  # prefix-cached prompt rows another request of the call forwarded
     rows_recomputed: int = 0
     recompute_requests: int = 0
     store_evictions: int = 0
@@ -311,7 +312,7 @@ class VllmHiddenStatesGenerator:
                 inputs.append(request.vllm_input)
                 child_params.append(child)
 
-        destination = self._destination(rendered, owners, child_params)  # drops rows recorded before
+        destination = self._destination(rendered, owners, child_params, steering)  # drops rows recorded before
         request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
         captured = self.client.fetch()
         if captured.error:
@@ -321,7 +322,7 @@ class VllmHiddenStatesGenerator:
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, steering, request_outputs, last)
-        stats.rows_from_siblings = self._place_first_pass(seqs, list(owners), captured, destination)
+        stats.rows_from_shared_prefix = self._place_first_pass(seqs, list(owners), captured, destination)
         if last:
             # The final token is never forwarded in context during generation; a row at its
             # position can only be a speculative draft's (possibly after a rejected token), so
@@ -330,7 +331,7 @@ class VllmHiddenStatesGenerator:
                 if q.last:
                     q.valid[q.num_rows - 1] = False
         missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
-        stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_siblings - stats.capture_missed_rows)
+        stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_shared_prefix - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
         keys = [self.store.keys(q.expected, q.rows.shape[0], q.salt.encode()) for q in seqs]
@@ -405,34 +406,38 @@ class VllmHiddenStatesGenerator:
                              step_salt=steering[tag].step_salt))
         return seqs
 
-    def _destination(self, rendered, owners: dict, child_params: list) -> RowDestination | None:
+    def _destination(self, rendered, owners: dict, child_params: list, steering: dict) -> RowDestination | None:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
-        into while vLLM generates (see :class:`RowDestination`), the samples of a prompt grouped
-        as siblings over the prompt's rows. None when that room would exceed half the machine's
-        memory even as untouched address space, or the backend cannot. Either way the rows the
-        worker recorded before (requests made outside this generator) are dropped."""
+        into while vLLM generates (see :class:`RowDestination`), requests grouped by the prompt
+        prefixes they share (:func:`prefix_groups`). None when that room would exceed half the
+        machine's memory even as untouched address space, or the backend cannot. Either way the
+        rows the worker recorded before (requests made outside this generator) are dropped."""
         texts = sorted({owners[t][0] for t in owners if not isinstance(rendered[owners[t][0]][0], dict)})
-        # vLLM tokenizes text prompts itself; a longer result than counted here only costs a recompute.
+        # vLLM tokenizes text prompts itself; a longer result than counted here only costs a
+        # recompute, a different one only the rows the prefix groups would have shared.
         counted = self.tokenizer([rendered[i][1] for i in texts])["input_ids"] if texts else []
-        n_text = {i: len(ids) for i, ids in zip(texts, counted)}
-        slots, first, groups = {}, 0, {}
+        ids_of = dict(zip(texts, counted))
+        slots, first, tags_of = {}, 0, {}
         for tag, params in zip(owners, child_params):
             i = owners[tag][0]
             vllm_input = rendered[i][0]
-            n_prompt = len(vllm_input["prompt_token_ids"]) if isinstance(vllm_input, dict) else n_text[i]
+            if isinstance(vllm_input, dict):
+                ids_of.setdefault(i, vllm_input["prompt_token_ids"])
             new = params.max_tokens if params.max_tokens is not None else self.max_model_len
-            capacity = min(n_prompt + new, self.max_model_len)
+            capacity = min(len(ids_of[i]) + new, self.max_model_len)
             slots[tag] = (first, capacity)
             first += capacity
-            limit, tags = groups.get(i, (n_prompt, ()))
-            groups[i] = (min(limit, capacity), tags + (tag,))
+            tags_of.setdefault(i, []).append(tag)
         dtype = self.client.settings.torch_dtype
         row_bytes = self.columns * self.hidden_size * dtype.itemsize
         if first * row_bytes > _physical_memory() // 2:
             self.client.fetch()
             return None
-        siblings = [(limit, tags) for limit, tags in groups.values() if len(tags) > 1 and limit > 0]
-        return self.client.place_into(slots, (first, self.columns, self.hidden_size), siblings)
+        shared = prefix_groups([(steering[tags[0]].salt.encode(), ids_of[i], tags) for i, tags in tags_of.items()],
+                               self.block_size)
+        groups = [(min([limit] + [slots[t][1] for t in tags]), tags) for limit, tags in shared]
+        return self.client.place_into(slots, (first, self.columns, self.hidden_size),
+                                      [(limit, tags) for limit, tags in groups if limit > 0])
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
                           destination: RowDestination | None) -> int:
@@ -443,8 +448,8 @@ class VllmHiddenStatesGenerator:
         after a rejected draft are forwarded again, and the last row forwarded at a position is
         the one that counts. Rows the worker already wrote into ``destination`` are only checked;
         otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
-        ``rows`` / ``valid`` are views of the shared buffers. Returns the rows a sibling sample
-        wrote (:meth:`_sibling_rows`).
+        ``rows`` / ``valid`` are views of the shared buffers. Returns the rows another request of
+        the call wrote (:meth:`_shared_prefix_rows`).
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
@@ -462,7 +467,7 @@ class VllmHiddenStatesGenerator:
             first, capacity = cum[:-1], lens
         with torch.inference_mode(False):
             valid = torch.zeros(total, dtype=torch.bool)
-        from_siblings = 0
+        from_shared = 0
         if captured.num_rows and total:
             seq_tags = torch.tensor(tags, dtype=torch.int64)
             order = torch.argsort(seq_tags)
@@ -488,9 +493,9 @@ class VllmHiddenStatesGenerator:
                         start += part.shape[0]
                 else:
                     buffer[hit] = captured.hidden[last[hit]]
-            if destination is not None and destination.siblings:
-                targets, good = self._sibling_rows(seqs, tags, destination, seq, pos, ours, match, cum)
-                from_siblings = int((good & ~hit[targets]).sum())
+            if destination is not None and destination.groups:
+                targets, good = self._shared_prefix_rows(seqs, tags, destination, row[ours], match[ours], cum)
+                from_shared = int((good & ~hit[targets]).sum())
                 hit[targets] = good
             valid = hit
         for q, a, n, b, c in zip(seqs, first.tolist(), lens.tolist(), cum[:-1].tolist(), capacity.tolist()):
@@ -501,49 +506,50 @@ class VllmHiddenStatesGenerator:
                 with torch.inference_mode(False):
                     q.rows = torch.empty((n,) + tuple(buffer.shape[1:]), dtype=buffer.dtype)
                 q.rows[:c] = buffer[a : a + c]
-        return from_siblings
+        return from_shared
 
     @staticmethod
-    def _sibling_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination, seq: torch.Tensor,
-                      pos: torch.Tensor, ours: torch.Tensor, match: torch.Tensor, cum: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which prompt rows of sibling samples hold a right row (see ``RowDestination.siblings``).
+    def _shared_prefix_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination,
+                            rows: torch.Tensor, matched: torch.Tensor, cum: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which prompt rows of grouped requests hold a right row (see ``RowDestination.groups``).
 
-        The worker wrote every row a group member forwarded at a position below the group's
-        limit into every member's slot, in an order this side does not know; so a member's row
-        at such a position counts only if some member forwarded it and every row forwarded
-        there carried the prompt's token (they are the same computation: same ids, same prefix).
-        Positions at or past the prompt vLLM actually ran (a text prompt tokenized differently
-        than counted) never count: a sibling's generated row may have landed there.
-        Returns the rows' indices among all sequences' rows and whether each counts.
+        The worker wrote every row a request forwarded at a shared prompt position into the slot
+        of every request sharing that prefix, in an order this side does not know. The writers
+        into request b's slot at position p are the members of the largest group of b whose limit
+        is above p (the groups are nested), so b's row there counts only if some member forwarded
+        p and every row forwarded there carried the prompt's token (the same ids before it: the
+        same computation). Positions at or past the prefix the members' prompts really share (a
+        text prompt that vLLM tokenized differently than counted) never count: a row of another
+        prompt, or a generated one, may have landed there. ``rows`` / ``matched``: the captured
+        rows of our requests as indices among all sequences' rows and whether their token was
+        right. Returns the rows' indices among all sequences' rows and whether each counts.
         """
         index = {t: k for k, t in enumerate(tags)}
-        group = torch.full((len(seqs),), -1, dtype=torch.int64)
-        limits, prompts = [], []
-        for g, (limit, members) in enumerate(destination.siblings):
+        groups = sorted(destination.groups, key=lambda g: -g[0])  # inner first: outer ones overwrite
+        limits = torch.tensor([limit for limit, _ in groups], dtype=torch.int64)
+        start = torch.zeros(len(groups) + 1, dtype=torch.int64)
+        start[1:] = limits.cumsum(0)
+        key_of = torch.full((int(cum[-1]),), -1, dtype=torch.int64)  # per row: its (group, position) key
+        shared_to = torch.zeros(len(groups), dtype=torch.int64)  # positions the members' prompts share
+        for g, (limit, members) in enumerate(groups):
             ks = [index[t] for t in members]
-            group[ks] = g
-            limits.append(limit)
-            prompts.append(min(len(seqs[k].expected) - len(seqs[k].output.token_ids) for k in ks))
-        limit, prompt = torch.tensor(limits), torch.tensor(prompts)
-        start = torch.zeros(len(limits) + 1, dtype=torch.int64)
-        start[1:] = limit.cumsum(0)
-        g_row = group[seq]  # per captured row (``seq`` is meaningful where ``ours``)
-        shared = ours & (g_row >= 0) & (pos < limit[g_row.clamp(min=0)])
-        key = start[g_row[shared]] + pos[shared]
+            prompts = [seqs[k].expected[: len(seqs[k].expected) - len(seqs[k].output.token_ids)] for k in ks]
+            common = min([limit] + [len(p) for p in prompts])
+            same = (torch.stack([p[:common] for p in prompts]) == prompts[0][:common]).all(0)
+            shared_to[g] = common if bool(same.all()) else int((~same).nonzero()[0])
+            n = torch.tensor([min(limit, seqs[k].num_rows) for k in ks], dtype=torch.int64)
+            p = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
+            key_of[torch.repeat_interleave(cum[ks], n) + p] = start[g] + p
+        keys = key_of[rows]
         forwarded = torch.zeros(int(start[-1]), dtype=torch.bool)
-        forwarded[key] = True
+        forwarded[keys[keys >= 0]] = True
         bad = torch.zeros_like(forwarded)
-        bad[key[~match[shared]]] = True
-        members = torch.nonzero(group >= 0).flatten()
-        g = group[members]
-        n = torch.minimum(limit[g], torch.tensor([seqs[k].num_rows for k in members.tolist()], dtype=torch.int64))
-        offsets = torch.zeros(len(n) + 1, dtype=torch.int64)
-        offsets[1:] = n.cumsum(0)
-        p = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], n)
-        targets = torch.repeat_interleave(cum[members], n) + p
-        key = torch.repeat_interleave(start[g], n) + p
-        good = forwarded[key] & ~bad[key] & (p < torch.repeat_interleave(prompt[g], n))
+        bad[keys[(keys >= 0) & ~matched]] = True
+        targets = torch.nonzero(key_of >= 0).flatten()
+        k = key_of[targets]
+        group = torch.repeat_interleave(torch.arange(len(groups)), limits)[k]
+        good = forwarded[k] & ~bad[k] & (k - start[group] < shared_to[group])
         return targets, good
 
     @staticmethod

@@ -58,7 +58,7 @@ SHARED_MEMORY_DIR = "/dev/shm"
 
 
 def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: dict[int, tuple[int, int]],
-                              siblings: list[tuple[int, tuple[int, ...]]] = (),
+                              groups: list[tuple[int, tuple[int, ...]]] = (),
                               ) -> tuple[SharedDestination, RowDestination] | None:
     """A sparse shared-memory file of ``shape`` mapped here, or None when the file system lacks
     room for all of it (a write past its room would kill the worker with SIGBUS)."""
@@ -73,7 +73,7 @@ def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: di
     fd, path = tempfile.mkstemp(dir=SHARED_MEMORY_DIR, prefix="uhead-rows-")
     st = os.fstat(fd)
     os.close(fd)
-    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino), list(siblings))
+    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino), list(groups))
     try:
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             return spec, spec.open()
@@ -108,18 +108,18 @@ class AuxClient:
         return CaptureSettings.from_dict(recording[0]["settings"])
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   siblings: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
+                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
         """Drop rows recorded before (one RPC with the hand-over) and give the worker a buffer of
         ``shape`` to write the next generation's rows into while it runs (``slots``: request tag
-        -> first row, capacity; ``siblings``: see :class:`RowDestination`). In this process a
+        -> first row, capacity; ``groups``: see :class:`RowDestination`). In this process a
         plain tensor; with the engine core in another process a shared-memory file both sides
         map. None where neither can be had (the rows then come back with ``fetch``)."""
         dtype = self.settings.dtype
         if engine_internals.worker_in_process(self.llm):
-            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(siblings))
+            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(groups))
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return destination if placed else None
-        shared = create_shared_destination(shape, dtype, slots, siblings)
+        shared = create_shared_destination(shape, dtype, slots, groups)
         if shared is None:
             self.fetch()
             return None

@@ -31,10 +31,10 @@ class CaptureClient(Protocol):
     settings: CaptureSettings
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   siblings: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
+                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
         """Start a generation: drop rows recorded before it (requests made outside the generator)
         and return a buffer the worker writes this generation's rows into while it runs
-        (``slots``: request tag -> first row, capacity; ``siblings``: see
+        (``slots``: request tag -> first row, capacity; ``groups``: see
         :class:`RowDestination`); None where this backend or engine cannot (the rows then come
         back with ``fetch``)."""
 

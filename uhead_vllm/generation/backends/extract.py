@@ -159,7 +159,7 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple, siblings: list = ()) -> None:
+    def place_into(self, slots: dict, shape: tuple, groups: list = ()) -> None:
         """Rows of this backend arrive as files after the generation: never placed while it runs;
         earlier rows are dropped."""
         self.fetch()
