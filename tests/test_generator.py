@@ -208,6 +208,19 @@ def test_requests_get_their_cached_prompt_rows_from_the_one_that_forwarded_them(
     check_all(model_path, res)
 
 
+def test_a_prompt_that_is_whole_blocks_of_another_shares_them_at_an_equal_limit(llm, model_path):
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    ids = gen.tokenizer(SHARED * 4)["input_ids"]
+    assert len(ids) > 70
+    prompts = [{"prompt_token_ids": ids[:64]}, {"prompt_token_ids": ids[:70]}]  # 2 whole 32-token blocks
+    res = gen.generate(prompts, SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5))
+    st = res.stats
+    assert st.prefix_cache_rows > 0 and st.rows_from_shared_prefix == st.prefix_cache_rows
+    assert st.rows_from_store == 0 and st.rows_recomputed == 0
+    check_all(model_path, res)
+
+
 def test_compute_last_token_adds_the_final_row(llm, model_path):
     gen = VllmHiddenStatesGenerator(llm)
     res = gen.generate([SHARED + "3 * 4 ="], SamplingParams(max_tokens=5, temperature=0.0), compute_last_token=True)

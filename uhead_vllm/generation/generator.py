@@ -526,7 +526,9 @@ class VllmHiddenStatesGenerator:
         right. Returns the rows' indices among all sequences' rows and whether each counts.
         """
         index = {t: k for k, t in enumerate(tags)}
-        groups = sorted(destination.groups, key=lambda g: -g[0])  # inner first: outer ones overwrite
+        # Inner groups first, outer ones overwrite the positions they cover (at an equal limit the
+        # larger group is the outer one: its members all write into each other's slots there).
+        groups = sorted(destination.groups, key=lambda g: (-g[0], len(g[1])))
         limits = torch.tensor([limit for limit, _ in groups], dtype=torch.int64)
         start = torch.zeros(len(groups) + 1, dtype=torch.int64)
         start[1:] = limits.cumsum(0)
