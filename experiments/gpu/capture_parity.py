@@ -107,7 +107,7 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
         "phases": phases, "load_seconds": load_s,
         "totals": {k: sum(p[k] for p in phases.values())
                    for k in ("capture_missed_rows", "rows_recomputed", "prefix_cache_rows", "rows_from_store",
-                             "rows_captured", "forwards_seen", "forwards_recorded")},
+                             "rows_from_shared_prefix", "rows_captured", "forwards_seen", "forwards_recorded")},
     }
 
 
