@@ -24,10 +24,10 @@ class Gate:
         assert self.opened.wait(10), "placer waited for a copy that never became ready"
 
 
-def slots(first, capacity, lens, mirror_first=None, mirror_limit=None):
+def slots(first, capacity, lens, group_row=None):
     """Per-chunk slot facts as the recorder hands them to the placer."""
     a = lambda x: None if x is None else np.asarray(x, dtype=np.int64)  # noqa: E731
-    return ChunkSlots(a(first), a(capacity), a(lens), a(mirror_first), a(mirror_limit))
+    return ChunkSlots(a(first), a(capacity), a(lens), a(group_row))
 
 
 def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
@@ -71,9 +71,15 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
 
 
 def mirrors(dest, tag):
-    """The destination's mirror table row of ``tag`` as {first row of another slot: shared limit}."""
-    k = dest.mirror_row[tag]
-    return {int(f): int(n) for f, n in zip(dest.mirror_first[k], dest.mirror_limit[k]) if f >= 0}
+    """What the destination's group tables say ``tag`` shares: {first row of another slot: limit}
+    (its groups outer to inner, each member range's limit overwritten by the deeper groups)."""
+    k = dest.group_row[tag]
+    shared = {}
+    for g, limit in zip(dest.chain[k], dest.chain_limit[k]):
+        if g >= 0:
+            lo, hi = dest.group_span[g]
+            shared.update({int(dest.member_first[m]): int(limit) for m in range(lo, hi) if m != dest.member_index[k]})
+    return shared
 
 
 def test_prefix_groups_become_per_pair_limits_the_deepest_shared_group_decides():
@@ -81,7 +87,9 @@ def test_prefix_groups_become_per_pair_limits_the_deepest_shared_group_decides()
     dest = RowDestination(torch.zeros(30, 1, 1), {t: (5 * (t - 1), 5) for t in range(1, 6)},
                           [(5, (1, 2, 3)), (2, (1, 2, 3, 4))])
     assert mirrors(dest, 1) == {5: 5, 10: 5, 15: 2} and mirrors(dest, 4) == {0: 2, 5: 2, 10: 2}
-    assert 5 not in dest.mirror_row and dest.mirror_first.shape == (5, 4)
+    assert 5 not in dest.group_row and dest.chain.shape == (5, 2) and dest.member_first.size == 4
+    # the deepest group's limit per member; the last row: no group
+    assert [int(dest.reach[dest.group_row[t]]) for t in (1, 2, 3, 4)] == [5, 5, 5, 2] and dest.reach[-1] == 0
 
 
 def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
@@ -92,12 +100,9 @@ def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
     # row (2, the rest came from the prefix cache) and row 3; tag 4 its own third token (2) and
     # row 3 (positions 0-1 came from tag 1's blocks); tag 5 (no group) rows 0-1
     rows = torch.tensor([10.0, 11, 12, 13, 22, 23, 42, 43, 50, 51]).view(10, 1, 1)
-    table = lambda t: (dest.mirror_first[dest.mirror_row[t]], dest.mirror_limit[dest.mirror_row[t]])  # noqa: E731
-    f1, l1 = table(1)
-    f2, l2 = table(2)
-    f4, l4 = table(4)
+    group_rows = [dest.group_row[1], dest.group_row[2], dest.group_row[4], -1]
     placer.submit(None, dest, rows, torch.tensor([0, 1, 2, 3, 2, 3, 2, 3, 0, 1]),
-                  slots([0, 5, 15, 20], [5, 5, 5, 5], [4, 2, 2, 2], [f1, f2, f4, [-1] * 4], [l1, l2, l4, [0] * 4]))
+                  slots([0, 5, 15, 20], [5, 5, 5, 5], [4, 2, 2, 2], group_rows))
     assert placer.drain()[0] is None
     b = dest.buffer.flatten().tolist()
     # Position 2 of the prompt was forwarded by tags 1 and 2 (the same computation): any member's
@@ -109,11 +114,35 @@ def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
     assert b[20:25] == [50, 51, 0, 0, 0]  # no group: nothing mirrored
 
 
+def test_one_group_of_thousands_of_requests_stays_small_and_every_member_gets_the_shared_rows():
+    # 2000 prompts x 2 samples sharing a 3-token block (a system prompt), each prompt 4 tokens
+    n = 4000
+    groups = [(4, (2 * i, 2 * i + 1)) for i in range(n // 2)] + [(3, tuple(range(n)))]
+    dest = RowDestination(torch.zeros(5 * n, 1, 1), {t: (5 * t, 5) for t in range(n)}, groups)
+    assert dest.chain.shape == (n + 1, 2) and dest.member_first.shape == (n,)  # tags x depth, not tags^2
+    # tag 0 forwards the whole prompt; tag 1 (its sibling) and every other tag only position 3,
+    # the same row for two samples of one prompt (one computation)
+    own = [10.0 + t // 2 for t in range(n)]
+    rows = torch.tensor([1.0, 2, 3] + own).view(-1, 1, 1)
+    positions = torch.tensor([0, 1, 2, 3] + [3] * (n - 1))
+    place = Placer()
+    place.submit(None, dest, rows, positions, slots([5 * t for t in range(n)], [5] * n, [4] + [1] * (n - 1),
+                                                     [dest.group_row[t] for t in range(n)]))
+    assert place.drain()[0] is None
+    b = dest.buffer.view(n, 5)
+    assert bool((b[:, :3] == torch.tensor([1.0, 2, 3])).all())  # the shared block reached every slot
+    assert b[:, 3].tolist() == own and bool((b[:, 4] == 0).all())  # each prompt's own row, nothing past it
+
+
 def test_prefix_groups_must_fit_their_members_slots_and_nest():
     with pytest.raises(ValueError, match="at least 4 rows"):
         RowDestination(torch.zeros(6, 1, 1), {1: (0, 3), 2: (3, 3)}, [(4, (1, 2))])
     with pytest.raises(ValueError, match="nested or disjoint"):
         RowDestination(torch.zeros(9, 1, 1), {1: (0, 3), 2: (3, 3), 3: (6, 3)}, [(1, (1, 2)), (2, (2, 3))])
+    with pytest.raises(ValueError, match="nested or disjoint"):  # an inner group shorter than its outer one
+        RowDestination(torch.zeros(9, 1, 1), {1: (0, 3), 2: (3, 3), 3: (6, 3)}, [(3, (1, 2, 3)), (2, (1, 2))])
+    with pytest.raises(ValueError, match="nested or disjoint"):  # the same group twice
+        RowDestination(torch.zeros(6, 1, 1), {1: (0, 3), 2: (3, 3)}, [(2, (1, 2)), (2, (2, 1))])
 
 
 def test_prefix_groups_of_a_call():
@@ -203,5 +232,21 @@ def test_pinned_ring_hands_out_fifo_regions_and_never_one_still_being_placed():
     assert d.data_ptr() == a.data_ptr() + 64
     assert ring.take(300) is None  # larger than the ring: the caller allocates instead
     assert ring.take(65) is None  # 64 bytes left (c and d hold the rest)
-    (rows,), _ = ring.host_copies((torch.zeros(3, 2, dtype=torch.bfloat16),))
+    rows, _ = ring.host_copy(torch.zeros(3, 2, dtype=torch.bfloat16))
     assert rows.shape == (3, 2) and rows.dtype == torch.bfloat16 and rows.data_ptr() == a.data_ptr() + 192
+
+
+def test_pinned_arena_hands_out_until_reset_then_reuses_its_chunks():
+    from uhead_vllm.capture.staging import PinnedArena
+
+    arena = PinnedArena(256, pin=False)
+    meta = torch.zeros(2, 10, dtype=torch.int64)  # 160 bytes
+    a, b = arena.host_copy(meta), arena.host_copy(meta)  # b does not fit after a: a second chunk
+    assert a.shape == (2, 10) and a.dtype == torch.int64 and len(arena.chunks) == 2
+    big = arena.host_copy(torch.zeros(100, dtype=torch.int64))  # 800 bytes: a chunk of its own
+    assert len(arena.chunks) == 3 and arena.chunks[2].numel() == 832  # aligned to 64 bytes
+    a.fill_(1), b.fill_(2), big.fill_(3)
+    assert a.sum() == 20 and b.sum() == 40 and big.sum() == 300  # no overlap
+    arena.reset()
+    again = arena.host_copy(meta)
+    assert again.data_ptr() == a.data_ptr() and len(arena.chunks) == 3  # nothing new allocated

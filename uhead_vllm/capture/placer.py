@@ -21,18 +21,20 @@ import torch
 from .protocol import RowDestination
 
 
+#: Rows copied per numpy assignment when a shared prompt row fans out to the members of a group.
+SHARED_WRITES_PER_COPY = 8192
+
+
 @dataclass
 class ChunkSlots:
     """Where one step's chunks (one per tagged request) go: per chunk the first row and capacity
     of its request's slot and its row count; with prefix groups (:attr:`RowDestination.groups`)
-    also the first rows of the slots that share its prompt prefix and how many rows each shares
-    (``mirror_first`` / ``mirror_limit`` [C, M]; -1 / 0 where there are fewer than M)."""
+    also its request's row of the destination's group tables (``group_row``; -1: no group)."""
 
     first: np.ndarray  # [C]
     capacity: np.ndarray  # [C]
     lens: np.ndarray  # [C]
-    mirror_first: np.ndarray | None = None  # [C, M]
-    mirror_limit: np.ndarray | None = None  # [C, M]
+    group_row: np.ndarray | None = None  # [C]
 
 
 def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
@@ -53,16 +55,29 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
         dest.byte_rows[index] = rows
     else:
         dest.byte_rows[index[inside]] = rows[inside]
-    if chunks.mirror_first is None:
-        return
-    shared = np.flatnonzero(inside & (pos < np.repeat(chunks.mirror_limit.max(1, initial=0), chunks.lens)))
+    if chunks.group_row is not None:
+        _place_shared(dest, rows, pos, np.repeat(chunks.group_row, chunks.lens), inside)
+
+
+def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, k: np.ndarray,
+                  inside: np.ndarray) -> None:
+    """Prompt rows into the slots of the other members of the largest group whose limit is above
+    the row's position (for two members that is the deepest group they share: the groups nest)."""
+    shared = np.flatnonzero(inside & (pos < dest.reach[k]))
     if not shared.size:  # decode steps: every position is past its prompt
         return
-    chunk = np.repeat(np.arange(len(chunks.lens)), chunks.lens)[shared]
-    at = pos[shared, None]
-    to = chunks.mirror_first[chunk] + at  # [S, M]
-    ok = (chunks.mirror_first[chunk] >= 0) & (at < chunks.mirror_limit[chunk])
-    dest.byte_rows[to[ok]] = rows[np.broadcast_to(shared[:, None], ok.shape)[ok]]
+    # Limits grow inward (outer groups first): skip the groups too short for the position.
+    depth = (dest.chain_limit[k[shared]] <= pos[shared, None]).sum(1)
+    group = dest.chain[k[shared], depth]
+    lo, hi = dest.group_span[group, 0], dest.group_span[group, 1]
+    count = hi - lo
+    member = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - lo, count)
+    src = np.repeat(shared, count)
+    other = member != np.repeat(dest.member_index[k[shared]], count)  # never onto itself
+    to, src = dest.member_first[member[other]] + pos[src[other]], src[other]
+    for a in range(0, len(src), SHARED_WRITES_PER_COPY):  # a shared block fans out to every member:
+        b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
+        dest.byte_rows[to[a:b]] = rows[src[a:b]]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:

@@ -180,11 +180,18 @@ class RowDestination:
     slots: dict[int, tuple[int, int]]
     groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
-    # Per grouped tag (``mirror_row[tag]``): the first rows of the other members of its largest
-    # group and the limit shared with each ([T + 1, M]; the last row: no group; -1 / 0 padding).
-    mirror_row: dict[int, int] = field(init=False, repr=False)
-    mirror_first: np.ndarray = field(init=False, repr=False)
-    mirror_limit: np.ndarray = field(init=False, repr=False)
+    # The groups as nested member ranges (each group's members are contiguous in ``member_first``,
+    # the slots' first rows in that order): per grouped tag (row ``group_row[tag]``; the last row:
+    # no group) its groups outer to inner with their limits (-1 / int64 max padding) and its own
+    # index in ``member_first``. Sizes grow with tags x nesting depth, never tags x group size,
+    # so one group of thousands of requests (a shared system prompt) stays cheap.
+    group_row: dict[int, int] = field(init=False, repr=False)
+    chain: np.ndarray = field(init=False, repr=False)  # [T + 1, D] group ids
+    chain_limit: np.ndarray = field(init=False, repr=False)  # [T + 1, D]
+    reach: np.ndarray = field(init=False, repr=False)  # [T + 1] limit of the deepest group (0: none)
+    member_index: np.ndarray = field(init=False, repr=False)  # [T + 1]
+    member_first: np.ndarray = field(init=False, repr=False)  # [T]
+    group_span: np.ndarray = field(init=False, repr=False)  # [G, 2] member range of each group
 
     def __post_init__(self) -> None:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
@@ -193,33 +200,39 @@ class RowDestination:
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
-        self._build_mirrors()
+        self._build_group_tables()
 
-    def _build_mirrors(self) -> None:
-        """Dense per-tag mirror tables, so the worker's batch facts are array lookups."""
-        ordered = sorted(self.groups, key=lambda g: (g[0], -len(g[1])))  # largest (shortest limit) first
-        root: dict[int, tuple[int, ...]] = {}  # tag -> members of its largest group
-        for limit, tags in ordered:
+    def _build_group_tables(self) -> None:
+        """The worker's lookup tables for ``groups`` (see the fields above)."""
+        ordered = sorted(self.groups, key=lambda g: (g[0], -len(g[1])))  # outer (shorter limit, larger) first
+        chains: dict[int, list[int]] = {}
+        for g, (limit, tags) in enumerate(ordered):
             if any(t not in self.slots or self.slots[t][1] < limit for t in tags):
                 raise ValueError(f"prefix group {tags}: every member needs a slot of at least {limit} rows")
-            if len(set(tags)) != len(tags) or any(root.get(t, tags) is not root.get(tags[0], tags) for t in tags):
-                raise ValueError(f"prefix group {tags}: groups must be nested or disjoint")
+            parents = {chains[t][-1] if t in chains else -1 for t in tags}  # the group around each member
+            parent = parents.pop() if len(parents) == 1 else None
+            twice = parent is not None and parent >= 0 and len(ordered[parent][1]) == len(tags)
+            if len(set(tags)) != len(tags) or parent is None or twice:
+                raise ValueError(f"prefix group {tags}: groups must be nested or disjoint, an inner group's "
+                                 "limit at least that of the group around it")
             for t in tags:
-                root.setdefault(t, tags)
-        roots = list({id(r): r for r in root.values()}.values())
-        width = max((len(r) for r in roots), default=0)
-        self.mirror_row = {t: k for k, t in enumerate(root)}
-        self.mirror_first = np.full((len(root) + 1, width), -1, dtype=np.int64)
-        self.mirror_limit = np.zeros((len(root) + 1, width), dtype=np.int64)
-        column = {t: c for r in roots for c, t in enumerate(r)}
-        for r in roots:
-            rows = [self.mirror_row[t] for t in r]
-            self.mirror_first[np.ix_(rows, range(len(r)))] = [self.slots[t][0] for t in r]
-        for limit, tags in ordered:  # deeper groups overwrite the limit their members share
-            self.mirror_limit[np.ix_([self.mirror_row[t] for t in tags], [column[t] for t in tags])] = limit
-        for t, k in self.mirror_row.items():  # never onto itself
-            self.mirror_first[k, column[t]] = -1
-            self.mirror_limit[k, column[t]] = 0
+                chains.setdefault(t, []).append(g)
+        members = sorted(chains, key=lambda t: chains[t])  # every group's members become contiguous
+        depth = max((len(c) for c in chains.values()), default=0)
+        self.group_row = {t: k for k, t in enumerate(members)}
+        self.chain = np.full((len(members) + 1, depth), -1, dtype=np.int64)
+        self.chain_limit = np.full((len(members) + 1, depth), np.iinfo(np.int64).max, dtype=np.int64)
+        for k, t in enumerate(members):
+            self.chain[k, : len(chains[t])] = chains[t]
+            self.chain_limit[k, : len(chains[t])] = [ordered[g][0] for g in chains[t]]
+        self.reach = np.asarray([ordered[chains[t][-1]][0] for t in members] + [0], dtype=np.int64)
+        self.member_index = np.arange(len(members) + 1, dtype=np.int64)
+        self.member_index[-1] = -1
+        self.member_first = np.asarray([self.slots[t][0] for t in members], dtype=np.int64)
+        self.group_span = np.zeros((len(ordered), 2), dtype=np.int64)
+        for g, (_, tags) in enumerate(ordered):
+            at = sorted(self.group_row[t] for t in tags)
+            self.group_span[g] = (at[0], at[-1] + 1)
 
 
 @dataclass(frozen=True)

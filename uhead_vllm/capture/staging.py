@@ -1,12 +1,13 @@
-"""Pinned host memory reused step after step for the device-to-host copies the placer consumes.
+"""Pinned host memory reused step after step for the recorder's device-to-host copies.
 
-Each step's rows travel device -> pinned host memory -> the caller's row buffer. Allocating the
-pinned memory per step (``torch.empty(..., pin_memory=True)``) went through PyTorch's caching
-host allocator on the engine's thread; on an H100 with 256 requests per step that call took
-~2.5 ms (two per step; bench_recorder, session 9), more than the rest of recording. Steps handed to
-the placer are consumed strictly in order, so one fixed pinned ring serves them all: a region is
-free again as soon as the placer has written its rows to their place. (Only rows: what a step
-keeps until the fetch, its metadata, must not live here.)
+Allocating pinned memory per step (``torch.empty(..., pin_memory=True)``) went through PyTorch's
+caching host allocator on the engine's thread; on an H100 with 256 requests per step that call
+took ~2.5 ms (two per step; bench_recorder, session 9), more than the rest of recording. So:
+
+- rows on their way to the placer live in a :class:`PinnedRing`: the placer consumes steps
+  strictly in order, and a region is free again once its rows are in their place;
+- what a step keeps until the fetch (its metadata) lives in a :class:`PinnedArena`, handed out
+  bump-wise and freed all at once when the generation's rows are taken.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PinnedRing:
         self.released = 0  # everything before this mark was placed (written by the consumer)
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, int] | None:
-        n = -(-nbytes // _ALIGN) * _ALIGN
+        n = _aligned(nbytes)
         if n > self.size:
             return None
         start = self.head
@@ -50,16 +51,42 @@ class PinnedRing:
     def release(self, end: int) -> None:
         self.released = max(self.released, end)
 
-    def host_copies(self, tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], int] | None:
-        """Empty host tensors shaped like ``tensors`` in one region, and its end mark (or None)."""
-        sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
-        region = self.take(sum(sizes))
-        if region is None:
-            return None
-        memory, end = region
-        out, at = [], 0
-        for t, size in zip(tensors, sizes):
-            nbytes = t.numel() * t.element_size()
-            out.append(memory[at : at + nbytes].view(t.dtype).view(t.shape))
-            at += size
-        return out, end
+    def host_copy(self, like: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """An empty host tensor shaped like ``like`` and its region's end mark (or None)."""
+        region = self.take(like.numel() * like.element_size())
+        return None if region is None else (_shaped(region[0], like), region[1])
+
+
+class PinnedArena:
+    """Pinned host memory in chunks of ``chunk_bytes`` (more for a larger request), handed out
+    bump-wise and all freed by ``reset``; the chunks stay for the next generation."""
+
+    def __init__(self, chunk_bytes: int, pin: bool = True):
+        self.chunk_bytes = chunk_bytes
+        self.pin = pin
+        self.chunks: list[torch.Tensor] = []
+        self.index = 0  # the chunk handed out from now
+        self.used = 0  # bytes of it handed out
+
+    def host_copy(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor shaped like ``like``, valid until ``reset``."""
+        nbytes = like.numel() * like.element_size()
+        n = _aligned(nbytes)
+        while self.index < len(self.chunks) and self.used + n > self.chunks[self.index].numel():
+            self.index, self.used = self.index + 1, 0
+        if self.index == len(self.chunks):
+            self.chunks.append(torch.empty(max(self.chunk_bytes, n), dtype=torch.uint8, pin_memory=self.pin))
+        memory = self.chunks[self.index][self.used : self.used + nbytes]
+        self.used += n
+        return _shaped(memory, like)
+
+    def reset(self) -> None:
+        self.index = self.used = 0
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _shaped(memory: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return memory.view(like.dtype).view(like.shape)
