@@ -5,6 +5,8 @@
 #   UNITS="basic_arithmetic:0 chain_sum_3x1:1" STUDY_TIMEOUT=560 bash experiments/value/gpu_run.sh search
 #   UNITS="chain_sum_3x1:0:0/4 chain_sum_3x1:0:1/4 ..." ... one unit's questions in K shard processes
 #   PROBE=1 [PROBE_ARGS=...] ... also runs experiments/value/temperature_probe.py next to the stages
+#   STACKS=1 ... each process samples its threads' stacks into $OUT/value/stacks.NAME.txt
+#   (experiments/value/stack_sampler.py: collapsed stacks, rewritten every 20 s)
 # One process runs all STAGES (one engine start); with UNITS, one search process per task:seed
 # runs at once on the same GPU (a 135M model leaves the H100 mostly idle: the tree walk, not the
 # GPU, bounds one process), each engine with a share of the GPU memory. Questions come from .cache/value_study/questions
@@ -37,7 +39,8 @@ T=$(date +%H%M%S)
 run() {  # run NAME ARGS...: one study process, its own log and its own vLLM compile cache (seeded
   local name=$1; shift  # from the first run's, so concurrent engines never write one cache dir)
   [ -d "$W/vcache.main" ] && [ ! -d "$W/vcache.$name" ] && cp -r "$W/vcache.main" "$W/vcache.$name"
-  VLLM_CACHE_ROOT=$W/vcache.$name timeout "${STUDY_TIMEOUT:-3000}" python3 -u "$@" > "$OUT/value/run.$T.$name.log" 2>&1
+  UHEAD_STACK_SAMPLES=$([ "${STACKS:-0}" = 1 ] && echo "$OUT/value/stacks.$name.txt") \
+    VLLM_CACHE_ROOT=$W/vcache.$name timeout "${STUDY_TIMEOUT:-3000}" python3 -u "$@" > "$OUT/value/run.$T.$name.log" 2>&1
   echo "$name exit $? $(date +%T)"
 }
 # Processes go round-robin over the GPUs. Eight processes on one H100 ran slower in total than

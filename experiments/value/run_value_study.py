@@ -44,6 +44,7 @@ from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import 
 set_env_defaults(OMP_WAIT_POLICY="PASSIVE")
 
 from experiments.value import report as report_mod  # noqa: E402
+from experiments.value import stack_sampler  # noqa: E402
 
 LAYERS = [14, 18, 22]  # the default head's layers: one engine serves both heads
 STAGES = ("questions", "steps", "train", "search", "report")
@@ -412,6 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    stack_sampler.start_from_env()  # UHEAD_STACK_SAMPLES=path: where a slow run's time goes
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     bad = [s for s in stages if s not in STAGES]
     if bad:

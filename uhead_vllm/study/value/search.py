@@ -15,6 +15,7 @@ baselines, sample whole answers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,15 @@ class Outcome:
     texts: list[str]
     tokens: list[int]
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _capture_line(stats: Any) -> str:
+    """The capture counters of an expansion, for the progress line (empty without one)."""
+    if stats is None:
+        return ""
+    return (f"; capture: {stats.rows_captured} rows, record {stats.record_seconds:.1f} s, place "
+            f"{stats.place_seconds:.1f} s, {stats.rows_from_shared_prefix} from shared prefixes, "
+            f"{stats.rows_from_store} from the store, {stats.rows_recomputed} recomputed")
 
 
 class TreeSearch:
@@ -78,7 +88,10 @@ class TreeSearch:
     # ------------------------------------------------------------------ shared pieces
     def _children(self, nodes: list[Node], n: int, scorers: Sequence[str]) -> list[list[Candidate]]:
         made, replayed_rollouts = len(self.ex.origin), self.ex.replayed_rollout_tokens
+        self.ex.last_stats = None
+        started = time.perf_counter()
         kids = self.ex.expand(nodes, n)
+        expanded = time.perf_counter()
         self.rollout_generated += self.ex.replayed_rollout_tokens - replayed_rollouts
         todo = []
         if ORACLE in scorers:  # each node once: several scorers' paths often share it
@@ -88,7 +101,11 @@ class TreeSearch:
                                                            max_tokens=self.rollout_tokens)
                 for nd, _ in todo:
                     self.ex.origin[(nd, n)] = (self.ex.origin[(nd, n)][0], self.ex.owner)
-        if todo or len(self.ex.origin) != made:
+        if len(self.ex.origin) != made or todo:
+            # Where a step's time goes (a slow step is then located without a profiler).
+            self.progress(f"  {len(self.ex.origin) - made} nodes expanded in {expanded - started:.1f} s, "
+                          f"{len(todo)} labelled by rollouts in {time.perf_counter() - expanded:.1f} s"
+                          + _capture_line(self.ex.last_stats))
             self._save()
         return kids
 

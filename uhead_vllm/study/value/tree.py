@@ -109,6 +109,7 @@ class Expander:
         self.pending: dict[tuple[Node, int], list[Candidate]] = {}
         self.replayed = 0
         self.replayed_rollout_tokens = 0
+        self.last_stats: Any = None  # the generator's counters of the latest expansion (progress lines)
 
     # ------------------------------------------------------------------ prompts
     def prompt_text(self, node: Node) -> str:
@@ -154,6 +155,7 @@ class Expander:
         # thinkbooster scores a step without its stop string. min_tokens=2 keeps that non-empty.
         res = self.gen.generate([self.prompt_ids(nd) for nd in nodes], [self._params(nd, n) for nd in nodes],
                                 compute_last_token=False)
+        self.last_stats = res.stats
         pending: list[tuple[Candidate, CandidateStep]] = []
         for i, nd in enumerate(nodes):
             kids = []
