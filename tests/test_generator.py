@@ -263,3 +263,20 @@ def test_wraps_lm_polygraph_whitebox_model(llm, model_path):
     with pytest.raises(KeyError, match="not captured"):
         res.hidden_states[0][0].layer(1)
     assert torch.equal(res.hidden_states[0][0].layer(2), res.hidden_states[0][0].hidden[:, 1])
+
+
+def test_blocks_cached_by_plain_requests_cost_no_second_pass(llm, model_path):
+    """A plain ``llm.generate`` on the same engine leaves prompt blocks in vLLM's prefix cache whose
+    rows nobody recorded. Captured requests have their own cache namespace (a fixed cache_salt), so
+    they forward those prompts once, share them during the pass and recompute nothing."""
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    prompts = [SHARED * 3 + "3 * 4 =", SHARED * 3 + "the mat is"]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    again = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert min(o.num_cached_tokens for o in again) >= 64 > 0 == plain[0].num_cached_tokens  # the blocks are cached
+    res = gen.generate(prompts, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3))
+    st = res.stats
+    assert st.rows_recomputed == 0 and st.recompute_requests == 0 and st.rows_from_store == 0
+    assert st.prefix_cache_rows > 0 and st.rows_from_shared_prefix == st.prefix_cache_rows  # samples share
+    check_all(model_path, res)

@@ -29,7 +29,7 @@ from .host_memory import host_buffer
 from .prefix_groups import prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
-from .steering import SteeredRequest, steer_request, step_key
+from .steering import CAPTURE_CACHE_SALT, SteeredRequest, steer_request, step_key
 
 PromptLike = str | list[dict] | dict
 
@@ -600,8 +600,8 @@ class VllmHiddenStatesGenerator:
             tag = next(_TAGS)
             has_gap = not bool(q.valid[: q.num_rows - int(q.last)].all())
             owners[tag] = q
-            salted = {"cache_salt": q.salt} if q.salt else {}
-            inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist(), **salted})
+            inputs.append({"prompt_token_ids": q.expected[: q.num_rows].tolist(),
+                           "cache_salt": q.salt or CAPTURE_CACHE_SALT})
             params.append(SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=has_gap,
                                          extra_args={**RequestTag(tag, 0).to_extra_args(), **q.steer_args}))
         before = {id(q): int(q.valid.sum()) for q in todo}

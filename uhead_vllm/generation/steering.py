@@ -6,7 +6,8 @@ A steered request computes other keys, values and rows for the same tokens, so i
 so a recompute of the whole sequence as a prompt steers the same positions), and the row store
 keys its rows by the same digest. The step cache is keyed by the spec as given: the next step
 of a ``"generated"`` trajectory has a longer prompt (another resolved spec) and must still find
-its parent. See docs/capture_points.md.
+its parent. Unsteered requests get one fixed salt, :data:`CAPTURE_CACHE_SALT`, so vLLM never
+serves them blocks that uncaptured requests on the same engine computed. See docs/capture_points.md.
 """
 
 from __future__ import annotations
@@ -22,12 +23,26 @@ class SteeringError(InputError, ValueError):
     """A request's ``uhead_steer`` spec is malformed, or the engine was built without steering."""
 
 
+#: vLLM ``cache_salt`` of every unsteered request the generator sends. Captured requests then
+#: reuse only KV blocks that captured requests computed, whose rows were recorded (and are in the
+#: row store or shared during the pass); blocks that a plain ``llm.generate`` on the same engine
+#: left in vLLM's prefix cache have rows nowhere, and hitting them cost a second pass over every
+#: sequence (the value study's 4000-sequence steps after its plain baselines: 320k rows, minutes).
+CAPTURE_CACHE_SALT = "uhead-capture"
+
+
+def with_cache_salt(vllm_input: Any, salt: str) -> dict:
+    """``vllm_input`` (a text prompt or a prompt dict) as a prompt dict with ``cache_salt``."""
+    base = {"prompt": vllm_input} if isinstance(vllm_input, str) else dict(vllm_input)
+    return {**base, "cache_salt": salt}
+
+
 @dataclass(frozen=True)
 class SteeredRequest:
     """What the generator sends for one prompt, and the keys its rows are cached under."""
 
     vllm_input: Any
-    salt: str = ""  # vLLM cache_salt and row-store key prefix ("" = plain)
+    salt: str = ""  # row-store key prefix and, if steered, vLLM cache_salt ("" = plain)
     extra_args: dict = field(default_factory=dict)  # the resolved spec, merged into each child's extra_args
     step_salt: str = ""  # step-cache key prefix ("" = plain)
 
@@ -43,7 +58,7 @@ def steer_request(extra_args: dict | None, vllm_input: Any, text: str, *, index:
     except SteerSpecError as exc:
         raise SteeringError(f"prompt {index}: {exc}") from None
     if spec is None:
-        return SteeredRequest(vllm_input)
+        return SteeredRequest(with_cache_salt(vllm_input, CAPTURE_CACHE_SALT))
     if not engine_steers:
         raise SteeringError(f"prompt {index} asks for steering ('{STEER_KEY}'), but this engine was built "
                             "without it: build_llm(..., steering=True, enforce_eager=True)")
@@ -51,7 +66,7 @@ def steer_request(extra_args: dict | None, vllm_input: Any, text: str, *, index:
         vllm_input = {"prompt_token_ids": tokenize(text)}
     resolved = spec.resolved(len(vllm_input["prompt_token_ids"]))
     salt = resolved.digest()
-    return SteeredRequest({**vllm_input, "cache_salt": salt}, salt, resolved.to_extra_args(), spec.digest())
+    return SteeredRequest(with_cache_salt(vllm_input, salt), salt, resolved.to_extra_args(), spec.digest())
 
 
 def step_key(prompt: str, step_salt: str) -> str:
@@ -60,4 +75,4 @@ def step_key(prompt: str, step_salt: str) -> str:
     return f"\x00uhead-steer:{step_salt}\x00{prompt}" if step_salt else prompt
 
 
-__all__ = ["SteeredRequest", "SteeringError", "steer_request", "step_key"]
+__all__ = ["CAPTURE_CACHE_SALT", "SteeredRequest", "SteeringError", "steer_request", "step_key", "with_cache_salt"]
