@@ -50,6 +50,9 @@ N_GPUS=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$N_GPUS" -ge 1 ] || N_GPUS=1
 PER_GPU=$(( (N_PROCS + N_GPUS - 1) / N_GPUS ))
 MEM=$(python3 -c "print(round(0.85 / $PER_GPU, 2))")
 KV=(); [ "$PER_GPU" -gt 1 ] && KV=(--kv-cache-gib "$(python3 -c "print(round(48 / $PER_GPU, 1))")")
+# Each study process its share of the host's cores for torch's own threads (head features and
+# scoring run on the host): two processes with one thread per core each oversubscribe the machine.
+THREADS=(--threads $(( $(nproc) / N_PROCS > 0 ? $(nproc) / N_PROCS : 1 )))
 K=0
 PIDS=()
 if [ "${PROBE:-0}" = 1 ]; then
@@ -62,10 +65,10 @@ if [ -n "${UNITS:-}" ]; then
     IFS=: read -r task seed shard <<< "$u"
     GPU=$((K % N_GPUS)); K=$((K + 1))
     CUDA_VISIBLE_DEVICES=$GPU run "$task.s$seed${shard:+.${shard/\//of}}" -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" \
-      --tasks "$task" --seeds "$seed" ${shard:+--shard "$shard"} --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
+      --tasks "$task" --seeds "$seed" ${shard:+--shard "$shard"} --gpu-memory-utilization "$MEM" "${KV[@]}" "${THREADS[@]}" "$@" & PIDS+=($!)
   done
 else
-  CUDA_VISIBLE_DEVICES=0 run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" & PIDS+=($!)
+  CUDA_VISIBLE_DEVICES=0 run main -m experiments.value.run_value_study --stages "$STAGES" --work "$WORK" --gpu-memory-utilization "$MEM" "${KV[@]}" "${THREADS[@]}" "$@" & PIDS+=($!)
 fi
 wait "${PIDS[@]}"
 grep -h -E "^\[|Error|error:" "$OUT"/value/run.*.log | tail -n 60

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
+from uhead_vllm.runtime import set_env_defaults, set_threads  # noqa: E402  (does not import vLLM)
 
 set_env_defaults(OMP_WAIT_POLICY="PASSIVE")
 
@@ -408,12 +408,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="fixed KV cache size (GPU); set it when several engines share a GPU, whose memory "
                         "profiling otherwise counts the others' allocations and can find no room")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads of this process (head features, scoring, training); give "
+                        "each of several processes on one machine its share of the cores (gpu_run.sh does)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stack_sampler.start_from_env()  # UHEAD_STACK_SAMPLES=path: where a slow run's time goes
+    set_threads(args.threads)
     stages = STAGES if args.stages == "all" else tuple(s.strip() for s in args.stages.split(","))
     bad = [s for s in stages if s not in STAGES]
     if bad:
