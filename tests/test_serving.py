@@ -181,6 +181,21 @@ def test_streaming_sends_step_scores_then_the_same_final_scores(client):
         assert len(streamed_steps) >= 1
 
 
+def test_prompts_cached_by_plain_requests_need_no_store_or_recompute(client, server, tiny_models):
+    """A plain request leaves its prompt blocks in vLLM's prefix cache without rows; a request with
+    uncertainty has its own cache namespace, so it forwards that prompt itself: no rows from the
+    store, no recompute, rows equal HF."""
+    q = "A preamble no request with uncertainty has sent before, long enough for whole blocks. " * 3 + "8 + 5?"
+    counters = lambda: [server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed")]
+    for _ in range(2):
+        plain = chat(client, q, max_tokens=4, temperature=0)
+    assert plain.usage.prompt_tokens > 64
+    before = counters()
+    res = chat(client, q, max_tokens=8, temperature=0, extra_body={"uncertainty": {"rows": {"layers": LAYERS}}})
+    assert counters() == before
+    assert check_rows(tiny_models["llama"], res.choices[0].model_extra["uncertainty"]) > 64
+
+
 def test_concurrent_requests_with_shared_prefixes_never_mix_rows(client, server, tiny_models):
     """32 concurrent requests (chat and completions, n=1..3, streaming and not) over shared
     prefixes; every choice's rows equal HF's forward on that choice's own token ids."""

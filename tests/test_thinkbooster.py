@@ -13,6 +13,7 @@ import gc
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 from vllm import SamplingParams
 
@@ -226,3 +227,29 @@ def test_scorer_mappings():
     with pytest.raises(ValueError, match="no hidden states"):
         head = LinearProbeHead(recipe=FeatureRecipe([1]))
         HeadScorer(head).features(step)
+
+
+@pytest.mark.parametrize("topk", [0, 3])
+def test_batched_features_equal_per_step_features(topk):
+    """The value study scores thousands of candidates per step with ``features_batch``: the same
+    tensors as ``features`` step by step, including steps that cannot join the batch."""
+    gen = torch.Generator().manual_seed(0)
+    lp = lambda x: SimpleNamespace(logprob=x)  # noqa: E731
+    head = HeadScorer(LinearProbeHead(recipe=FeatureRecipe([4, 0], logprob_topk=topk)))
+    steps = []
+    for i in range(7):
+        n = 3 + i
+        logprobs = [{t: lp(float(-torch.rand(1, generator=gen))) for t in range(5)} for _ in range(n)]
+        start = i % 3
+        steps.append(CandidateStep(list(range(n)), StepSpan(start, n - 1), torch.randn(n, 3, 8, generator=gen),
+                                   (0, 2, 4), logprobs))
+    steps.append(CandidateStep([1, 2, 3], StepSpan(0, 2), torch.randn(3, 2, 8, generator=gen), (4, 0),
+                               steps[0].logprobs))  # other captured layers: done on its own
+    batched = head.features_batch(steps, chunk=3)
+    assert len(batched) == len(steps)
+    for st, b in zip(steps, batched):
+        assert torch.equal(b, head.features(st))
+        assert b.shape == (len(st.span), 2 * 8 + topk)
+    bad = CandidateStep([1, 2], StepSpan(0, 5), torch.randn(2, 3, 8), (0, 2, 4), steps[6].logprobs)
+    with pytest.raises(ValueError, match="rows"):
+        head.features_batch([steps[0], bad])

@@ -265,8 +265,8 @@ def topk_logprob_rows(logprobs: Sequence[Any], k: int, start: int = 0, end: int 
     the k largest values are the model's top-k. The one place that defines these columns, so
     training data and every scorer read them the same way."""
     end = len(logprobs) if end is None else end
-    out = torch.empty(max(end - start, 0), k, dtype=torch.float32)
-    for row, pos in enumerate(range(start, end)):
+    rows = []
+    for pos in range(start, end):
         entry = logprobs[pos] if pos < len(logprobs) else None
         if entry is None:
             raise ValueError(f"no logprobs for generated token {pos}; request SamplingParams(logprobs >= {k})")
@@ -274,8 +274,8 @@ def topk_logprob_rows(logprobs: Sequence[Any], k: int, start: int = 0, end: int 
         if len(values) < k:
             raise ValueError(f"generated token {pos} has {len(values)} logprobs, {k} needed; "
                              f"request SamplingParams(logprobs >= {k})")
-        out[row] = torch.tensor(values[:k])
-    return out
+        rows.append(values[:k])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), k)  # one tensor, not one per token
 
 
 def clip_span(span: StepSpan, prompt_len: int, num_rows: int) -> StepSpan | None:

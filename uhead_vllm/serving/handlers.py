@@ -18,6 +18,7 @@ from .record import RequestRecord
 from .service import UncertaintyService
 from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_steer, parse_uncertainty
 from ..adapters.server import MARK
+from ..generation.steering import CAPTURE_CACHE_SALT
 
 logger = logging.getLogger("uhead_vllm.serving")
 
@@ -50,6 +51,11 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             request.vllm_xargs = {**(request.vllm_xargs or {}), **steer.to_extra_args()}
         if spec is None:
             return await original(request, raw_request)
+        if steer is None:
+            # Captured requests reuse only blocks that captured requests computed (whose rows the
+            # row store may hold), never a plain request's: see generation/steering.py.
+            request.cache_salt = (CAPTURE_CACHE_SALT if not request.cache_salt
+                                  else f"{request.cache_salt}:{CAPTURE_CACHE_SALT}")
         record = service.open(spec, salt=salt, steer_args=steer.to_extra_args() if steer is not None else {})
         request.vllm_xargs = {**(request.vllm_xargs or {}), MARK: record.key}
         try:

@@ -199,12 +199,13 @@ class Expander:
             key = id(scorer.recipe)
             feats = cache.get(key)
             if feats is None:
-                feats = cache[key] = [scorer.features(step) for _, step in pending]
+                feats = cache[key] = scorer.features_batch([step for _, step in pending])
             p = scorer.head.predict_proba(feats) if feats else []
             for (cand, _), pw in zip(pending, p):
                 cand.validity[name] = 1.0 - float(pw)
         if self.feature_head is not None:
-            for cand, step in pending:
-                cand.features = pool(self.feature_head.features(step), self.feature_pooling).to(torch.float32)
+            feats = self.feature_head.features_batch([step for _, step in pending])
+            for (cand, _), f in zip(pending, feats):
+                cand.features = pool(f, self.feature_pooling).to(torch.float32)
         for _, step in pending:
             step.hidden = None  # rows are not needed any more
