@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
+from experiments import provenance
 from uhead_vllm.features import FeatureRecipe, StepSpan
 from uhead_vllm.generation.host_memory import host_buffer
 from uhead_vllm.heads import LinearProbeHead
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                                            "speedup": med["per_candidate"] / med["batched"]}
         print(f"logprob_topk={topk}: per candidate {med['per_candidate']:.3f} s, batched {med['batched']:.3f} s "
               f"({med['per_candidate'] / med['batched']:.1f}x) for {args.candidates} candidates", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"commit": commit, "command": "python -m experiments.bench.head_features " + " ".join(sys.argv[1:]),
+    meta = {"commit": provenance.commit(), "command": "python -m experiments.bench.head_features " + " ".join(sys.argv[1:]),
             "platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "candidates": args.candidates, "repeats": args.repeats}
     args.out.mkdir(parents=True, exist_ok=True)

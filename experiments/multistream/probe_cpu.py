@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -28,15 +27,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks need the m
 
 import torch  # noqa: E402
 
+from experiments import provenance  # noqa: E402
+
 IDS = [1, 5, 9, 17, 33, 65, 129, 257, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _hf_streams(path: Path) -> list[torch.Tensor]:
@@ -111,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from uhead_vllm._testing_dsv4 import build_tiny_deepseek_v4
 
-    result = {"commit": _commit(), "command": "python -m experiments.multistream.probe_cpu " + " ".join(sys.argv[1:]),
+    result = {"commit": provenance.commit(), "command": "python -m experiments.multistream.probe_cpu " + " ".join(sys.argv[1:]),
               "cpu": platform.processor() or platform.machine(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
               "vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
               "dtype": args.dtype}

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +42,7 @@ from uhead_vllm.runtime import set_env_defaults, set_threads  # noqa: E402  (doe
 set_env_defaults(OMP_WAIT_POLICY="PASSIVE")
 
 from experiments.value import report as report_mod  # noqa: E402
+from experiments import provenance  # noqa: E402
 from experiments.value import stack_sampler  # noqa: E402
 
 LAYERS = [14, 18, 22]  # the default head's layers: one engine serves both heads
@@ -52,17 +51,6 @@ STAGES = ("questions", "steps", "train", "search", "report")
 
 def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _commit() -> str:
-    env = os.environ.get("UHEAD_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------------- questions
@@ -434,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         stage_search(args, args.work, session)
     if "report" in stages:
         merge_shards(args.work)
-        meta = {"commit": _commit(), "command": "python -m experiments.value.run_value_study " + " ".join(sys.argv[1:]),
+        meta = {"commit": provenance.commit(), "command": "python -m experiments.value.run_value_study " + " ".join(sys.argv[1:]),
                 "platform": platform.platform(), "args": {k: str(v) for k, v in vars(args).items()}}
         paths = report_mod.write(args.work, args.results, meta)
         _say("wrote " + ", ".join(map(str, paths)))

@@ -105,19 +105,18 @@ class HeadScorer:
         host each small operation costs far more than its arithmetic. The steps' rows are
         concatenated and go through the same :func:`step_token_features`; steps that do not fit
         one batch (other captured layers, a span past their rows) are done one by one, so their
-        errors are the per-step ones."""
+        errors are the per-step ones. The returned tensors are views of one tensor per chunk."""
         out: list[torch.Tensor | None] = [None] * len(steps)
         batchable: list[int] = []
+        k = self.recipe.logprob_topk
+        ref = steps[0].hidden if steps else None
         for i, st in enumerate(steps):
-            ok = (st.hidden is not None and steps[0].hidden is not None and st.layers == steps[0].layers
-                  and st.hidden.shape[1:] == steps[0].hidden.shape[1:] and st.hidden.dtype == steps[0].hidden.dtype
-                  and 0 < len(st.span) and st.span.end <= st.hidden.shape[0]
-                  and (not self.recipe.logprob_topk or st.logprobs is not None))
-            if ok:
+            if (ref is not None and st.hidden is not None and st.layers == steps[0].layers
+                    and st.hidden.shape[1:] == ref.shape[1:] and st.hidden.dtype == ref.dtype
+                    and 0 < len(st.span) and st.span.end <= st.hidden.shape[0] and (not k or st.logprobs is not None)):
                 batchable.append(i)
             else:
                 out[i] = self.features(st)
-        k = self.recipe.logprob_topk
         for lo in range(0, len(batchable), chunk):
             part = [steps[i] for i in batchable[lo : lo + chunk]]
             rows = torch.cat([st.hidden[st.span.start : st.span.end] for st in part])

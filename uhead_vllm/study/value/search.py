@@ -101,7 +101,7 @@ class TreeSearch:
                                                            max_tokens=self.rollout_tokens)
                 for nd, _ in todo:
                     self.ex.origin[(nd, n)] = (self.ex.origin[(nd, n)][0], self.ex.owner)
-        if len(self.ex.origin) != made or todo:
+        if todo or len(self.ex.origin) != made:
             # Where a step's time goes (a slow step is then located without a profiler).
             self.progress(f"  {len(self.ex.origin) - made} nodes expanded in {expanded - started:.1f} s, "
                           f"{len(todo)} labelled by rollouts in {time.perf_counter() - expanded:.1f} s"
