@@ -22,8 +22,9 @@ STAGES=$1; shift
 WORK=$W/value
 OUT=${OUT:-/tmp/out}
 mkdir -p "$WORK" "$OUT/value"
-# Carried results of an earlier call (questions, ranking_head, search files, ...) join the work dir.
-[ -d .cache/value_study ] && cp -r .cache/value_study/. "$WORK/"
+# Carried results of an earlier call (questions, ranking_head, search files, ...) join the work dir;
+# files the work dir already has (a warm machine's later call) are newer and stay (-n).
+[ -d .cache/value_study ] && cp -rn .cache/value_study/. "$WORK/"
 pack() { (cd "$WORK" && tar czf "$OUT/value/results.tmp" search step_metrics.json ranking_head steps/summary.json 2>/dev/null;
           mv "$OUT/value/results.tmp" "$OUT/value/results.tgz"); }
 (while sleep 15; do pack; done) &  # a call cut off by its time limit still returns finished units
