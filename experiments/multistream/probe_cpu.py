@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks need the m
 import torch  # noqa: E402
 
 from experiments import provenance  # noqa: E402
+from experiments.multistream import cpu_standins  # noqa: E402
 
 IDS = [1, 5, 9, 17, 33, 65, 129, 257, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
 
@@ -42,30 +43,10 @@ def _hf_streams(path: Path) -> list[torch.Tensor]:
     return [h[0] for h in hs[1:]]  # streams after each decoder layer, [T, S, H]
 
 
-def _token_to_req_indices(query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int,
-                          num_tokens: int) -> torch.Tensor:
-    """Torch stand-in for vLLM's Triton ``compute_token_to_req_indices`` (Triton has no CPU backend
-    here): token t belongs to the request whose [start, end) holds it; tokens past
-    ``num_mapped_tokens`` map to 0, as the kernel writes."""
-    num_reqs = query_start_loc.shape[0] - 1
-    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    req = torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp_(max=num_reqs - 1)
-    out[:num_tokens] = torch.where(tokens < num_mapped_tokens, req, torch.zeros_like(req)).to(out.dtype)
-    return out[:num_tokens]
-
-
-def _patch_triton_only_ops() -> list[str]:
-    """Swap the Triton-only helpers the CPU model reaches for torch ones; returns what was swapped."""
-    import vllm.v1.attention.ops.metadata as metadata
-
-    metadata.compute_token_to_req_indices = _token_to_req_indices
-    return ["vllm.v1.attention.ops.metadata.compute_token_to_req_indices"]
-
-
 def _vllm_streams(path: Path, dtype: str) -> tuple[list[torch.Tensor], dict]:
     from vllm import LLM, SamplingParams
 
-    patched = _patch_triton_only_ops()
+    patched = cpu_standins.install()  # probe-only torch stand-ins for Triton kernels
 
     llm = LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=4,
               kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0)

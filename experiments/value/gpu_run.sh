@@ -25,6 +25,9 @@ mkdir -p "$WORK" "$OUT/value"
 # Carried results of an earlier call (questions, ranking_head, search files, ...) join the work dir;
 # files the work dir already has (a warm machine's later call) are newer and stay (-n).
 [ -d .cache/value_study ] && cp -rn .cache/value_study/. "$WORK/"
+for p in "$WORK"/search/*.partial; do  # a unit finished in an earlier call: its carried parts are stale
+  [ -f "${p%.partial}.json" ] && rm -f "$p"
+done
 pack() { (cd "$WORK" && tar czf "$OUT/value/results.tmp" search step_metrics.json ranking_head steps/summary.json 2>/dev/null;
           mv "$OUT/value/results.tmp" "$OUT/value/results.tgz"); }
 (while sleep 15; do pack; done) &  # a call cut off by its time limit still returns finished units
