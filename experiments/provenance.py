@@ -9,14 +9,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
 def commit() -> str:
     """``UHEAD_COMMIT`` when set (the GPU machine gets a working tree, not the repository), else the
-    checkout's short commit, else ``"unknown"``."""
+    checkout's short commit with ``+dirty`` when tracked files outside ``experiments/results``
+    differ from it (the results were not made by that commit alone), else ``"unknown"``."""
     env = os.environ.get("UHEAD_COMMIT")
     if env:
         return env
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        sha = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results")
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return "unknown"
+    return sha + ("+dirty" if dirty else "")

@@ -17,11 +17,12 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from experiments import provenance
 
 from .env import REPO_ROOT, setup_env
 
@@ -30,14 +31,6 @@ DEFAULT_OUT = REPO_ROOT / "experiments" / "results" / "bench"
 
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except OSError:
-        return None
 
 
 def _profile(args: argparse.Namespace):
@@ -180,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": command.strip(),
             "profile": profile.to_dict(),
             "model": {**identity, "path": model},
-            "git_commit": _git_commit(),
+            "git_commit": provenance.commit(),
             "cpu_count": os.cpu_count(),
             "loadavg_start": load_start,
             "loadavg_after_timing": load_timing_end,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from .env import REPO_ROOT, setup_env
-from .run import _git_commit
+from experiments import provenance
 
 OUT = REPO_ROOT / "experiments" / "results" / "bench"
 CONFIGS = ("capture", "capture-points", "steer-engine-plain", "steer-engine-steered")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m experiments.bench.steering" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
                                                          if (argv if argv is not None else sys.argv[1:]) else "")
     result = {
-        "git_commit": _git_commit(), "command": command, "model": Path(model).name,
+        "git_commit": provenance.commit(), "command": command, "model": Path(model).name,
         "engine": {k: v for k, v in engine.items()}, "layers": list(layers), "points": points,
         "workload": {"prompts": args.prompts, "max_tokens": args.tokens, "greedy": True, "reps": args.reps},
         "steering": [{k: v for k, v in t.items() if k != "vector"} | {"vector_norm": float(torch.tensor(vec).norm())}

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments import provenance
+
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples
 N, MAX_TOKENS, REPS = 4, 128, 2
@@ -227,9 +229,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{args.shape}", args.shape,
                         Path(args.tokenizer), save_weights=False)
-    # The GPU machine gets a copy of the working tree, not the repository: the caller names the commit.
-    commit = os.environ.get("UHEAD_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()  # on the GPU machine: UHEAD_COMMIT, named by the caller
     meta = {"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
             "tensor_parallel_size": args.tp, "gpus": torch.cuda.device_count(),

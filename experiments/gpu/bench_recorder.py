@@ -19,9 +19,7 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments import provenance
 from uhead_vllm.adapters import ScheduledStep, StepOutputs
 from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, RowDestination
 from uhead_vllm.capture.recorder import RowRecorder
@@ -105,8 +104,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     run(16, 8, args.prompt, args.hidden, args.forward_ms, False)  # warm-up: CUDA context, pinned pool
     results = [run(k, args.steps, args.prompt, args.hidden, args.forward_ms, True) for k in args.requests]
-    commit = os.environ.get("UHEAD_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     meta = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", "torch": torch.__version__, "commit": commit,
             "command": " ".join(["python -m experiments.gpu.bench_recorder", *sys.argv[1:]])}
     (out / "bench-recorder.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

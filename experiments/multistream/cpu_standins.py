@@ -68,6 +68,99 @@ def prefill_gather_lens(prefill_gather_lens: torch.Tensor, seq_lens: torch.Tenso
     prefill_gather_lens[:num_prefills] = gather.to(prefill_gather_lens.dtype)
 
 
+def compressed_slot_mapping(compressed_slot_mapping: torch.Tensor, slot_mapping: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, block_size: int, compress_ratio: int,
+                            dcp_world_size: int, cp_interleave: int) -> None:
+    """``compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL``: the last token of every
+    ``compress_ratio`` positions writes its compressed state to the paged slot of state
+    ``pos // compress_ratio`` (after DCP localisation); every other token, and every token whose own
+    slot is PAD (-1), gets PAD. One request per block-table row, as the kernel's grid."""
+    for b in range(block_table.shape[0]):
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if q_end <= q_start:
+            continue
+        pos = int(seq_lens[b]) - (q_end - q_start) + torch.arange(q_end - q_start, dtype=torch.int64)
+        slot = slot_mapping[q_start:q_end].to(torch.int64)
+        valid = ((pos + 1) % compress_ratio == 0) & (slot != -1)
+        local = pos // (cp_interleave * dcp_world_size) * cp_interleave + pos % cp_interleave
+        state = local // compress_ratio
+        block = block_table[b, torch.where(valid, state // block_size, 0)].to(torch.int64)
+        slots = block * block_size + state % block_size
+        compressed_slot_mapping[q_start:q_end] = torch.where(valid, slots, -1).to(compressed_slot_mapping.dtype)
+
+
+def prefill_chunk_metadata(query_start_loc: torch.Tensor, uncompressed_seq_lens: torch.Tensor,
+                           cu_compressed_seq_lens: torch.Tensor,
+                           row_start_cu_compressed_seq_lens: torch.Tensor, token_to_seq: torch.Tensor,
+                           cu_compressed_seq_len_ks: torch.Tensor, cu_compressed_seq_len_ke: torch.Tensor,
+                           query_slice_start: int, query_slice_stop: int, DCP_RANK: int, DCP_WORLD: int,
+                           DCP_INTERLEAVE: int, *, num_reqs: int, COMPRESS_RATIO: int) -> None:
+    """``indexer._BUILD_PREFILL_CHUNK_METADATA_KERNEL``: per query token (inside the query slice)
+    the [ks, ke) row range of the gathered compressed K it may see — row start of its request plus
+    ``(position + 1) // COMPRESS_RATIO`` (DCP-localised) — and, per compressed K row, its request."""
+    for b in range(num_reqs):
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        seq_start, seq_end = int(cu_compressed_seq_lens[b]), int(cu_compressed_seq_lens[b + 1])
+        row_start = int(row_start_cu_compressed_seq_lens[b])
+        start_pos = int(uncompressed_seq_lens[b]) - (q_end - q_start)
+        offset = torch.arange(q_end - q_start, dtype=torch.int64)
+        abs_pos = q_start + offset
+        keep = (abs_pos >= query_slice_start) & (abs_pos < query_slice_stop)
+        length = (start_pos + 1 + offset) // COMPRESS_RATIO
+        if DCP_WORLD > 1:
+            base = length // DCP_INTERLEAVE // DCP_WORLD * DCP_INTERLEAVE
+            rest = (length - base * DCP_WORLD - DCP_RANK * DCP_INTERLEAVE).clamp(min=0, max=DCP_INTERLEAVE)
+            length = base + rest
+        out = abs_pos[keep] - query_slice_start
+        cu_compressed_seq_len_ks[out] = row_start
+        cu_compressed_seq_len_ke[out] = (row_start + length[keep]).to(cu_compressed_seq_len_ke.dtype)
+        token_to_seq[seq_start:seq_end] = b
+
+
+def _sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's expert weight ``sqrt(softplus(logit))``, softplus linear above 20 as the
+    kernels write it."""
+    logits = logits.float()
+    return torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))).sqrt()
+
+
+def _renormalise(weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """Selected weights scaled to sum to ``scale`` (a zero sum left as is)."""
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights * (scale / torch.where(total > 0, total, torch.ones_like(total)))
+
+
+def hash_topk(gating_output: torch.Tensor, tid2eid: torch.Tensor, topk: int, scoring_func: str,
+              num_fused_shared_experts: int, num_experts: int,
+              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Not Triton: vllm's C++ ``hash_topk_cpu`` (hash-routed MoE layers) accepts only the released
+    expert counts ("unsupported num_experts 4" for the tiny model). Same math as its docstring and
+    the CUDA reference: experts ``tid2eid`` (looked up from the token id), weights
+    ``sqrt(softplus(logit))`` of those experts, renormalised to sum to ``routed_scaling_factor``."""
+    assert scoring_func == "sqrtsoftplus" and num_fused_shared_experts == 0
+    ids = tid2eid[:, :topk].to(torch.int64)
+    weights = _sqrtsoftplus(gating_output.gather(1, ids))
+    return _renormalise(weights, routed_scaling_factor), ids.to(torch.int32)
+
+
+def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
+                correction_bias: torch.Tensor, topk: int, renormalize: bool, scoring_func: str,
+                num_fused_shared_experts: int, routed_scaling_factor: float | None,
+                apply_routed_scaling_factor_on_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Not Triton: vllm's C++ ``biased_topk_cpu`` (score-routed MoE layers) accepts only the
+    released expert counts ("unsupported num_experts 4"). Same math as the Triton reference
+    (``fused_moe/router/dsv4_topk.py``): pick the ``topk`` largest ``sqrt(softplus(logit)) + bias``
+    (lowest id first on ties), weight them by the unbiased ``sqrt(softplus(logit))``, renormalise
+    to sum to ``routed_scaling_factor``."""
+    assert scoring_func == "sqrtsoftplus" and num_fused_shared_experts == 0
+    assert renormalize and apply_routed_scaling_factor_on_output
+    weights = _sqrtsoftplus(gating_output)
+    ids = torch.topk(weights + correction_bias.float(), k=topk, dim=-1, sorted=True).indices
+    chosen = _renormalise(weights.gather(1, ids), routed_scaling_factor or 1.0)
+    return chosen, ids.to(torch.int32)
+
+
 def all_none_tile_scheduler(self, num_decode_tokens: int) -> dict:
     """Not a Triton kernel: vllm 0.32's ``DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler``
     returns ``None`` for three layer types (swaonly, c4a, c128a) while the shared ``build()`` also
@@ -82,6 +175,9 @@ def all_none_tile_scheduler(self, num_decode_tokens: int) -> dict:
 
 def install() -> list[str]:
     """Put the stand-ins in place of the Triton launchers vLLM calls; returns what was replaced."""
+    import vllm.model_executor.layers.fused_moe.router.cpu_router as cpu_router
+    import vllm.v1.attention.backends.mla.compressor_utils as compressor_utils
+    import vllm.v1.attention.backends.mla.indexer as indexer
     import vllm.v1.attention.backends.mla.sparse_swa as sparse_swa
     import vllm.v1.attention.ops.metadata as metadata
     from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
@@ -90,6 +186,10 @@ def install() -> list[str]:
         (metadata, "compute_token_to_req_indices", token_to_req_indices),
         (sparse_swa, "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL", swa_indices_and_lens),
         (sparse_swa, "_COMPUTE_PREFILL_METADATA_KERNEL", prefill_gather_lens),
+        (compressor_utils, "_COMPRESSED_SLOT_MAPPING_KERNEL", compressed_slot_mapping),
+        (indexer, "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", prefill_chunk_metadata),
+        (cpu_router, "hash_topk_cpu", hash_topk),
+        (cpu_router, "biased_topk_cpu", biased_topk),
         (DeepseekV4CPUSparseSWAMetadataBuilder, "build_tile_scheduler", all_none_tile_scheduler),
     ]
     for owner, name, fn in swaps:

@@ -46,8 +46,6 @@ def _hf_streams(path: Path) -> list[torch.Tensor]:
 def _vllm_streams(path: Path, dtype: str) -> tuple[list[torch.Tensor], dict]:
     from vllm import LLM, SamplingParams
 
-    patched = cpu_standins.install()  # probe-only torch stand-ins for Triton kernels
-
     llm = LLM(str(path), dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=4,
               kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0)
 
@@ -69,7 +67,7 @@ def _vllm_streams(path: Path, dtype: str) -> tuple[list[torch.Tensor], dict]:
     for k, t in seen:
         per_layer.setdefault(k, []).append(t)
     streams = [torch.cat(per_layer[k]) if k in per_layer else None for k in range(n_layers)]
-    info = {"patched": patched, "decoder_layers": n_layers, "shapes": [None if s is None else list(s.shape) for s in streams],
+    info = {"decoder_layers": n_layers, "shapes": [None if s is None else list(s.shape) for s in streams],
             "kv_cache_dtype": str(llm.llm_engine.vllm_config.cache_config.cache_dtype),
             "first_token": out[0].outputs[0].token_ids[:1]}
     return streams, info
@@ -94,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         build_tiny_deepseek_v4(path, round_to_bf16=args.dtype != "float32")  # bf16 engine: the same weights
         ref = _hf_streams(path)
         try:
+            result["probe_stand_ins"] = cpu_standins.install()  # probe-only, see cpu_standins.py
             got, info = _vllm_streams(path, args.dtype)
             result.update(info)
             errors = []

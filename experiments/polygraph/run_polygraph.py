@@ -44,6 +44,7 @@ PROBE_SEED = 100_000
 # Before torch/vLLM start: one OpenMP thread. On a shared 2-core machine, 2-thread OpenMP barriers
 # wait for descheduled threads at every parallel region (measured: 16 tokens of one prompt took
 # 59 s with 2 threads under load, 1.2 s with 1).
+from experiments import provenance  # noqa: E402
 from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
 
 set_env_defaults(OMP_NUM_THREADS="1")
@@ -163,17 +164,6 @@ def tasks_module() -> Any:
     from uhead_vllm import tasks
 
     return tasks
-
-
-def git_stamp() -> str:
-    """Commit of the checkout (``+dirty`` when tracked files outside experiments/results differ from it)."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+dirty" if dirty else "")
 
 
 # ---------------------------------------------------------------------------------- log parsing
@@ -357,7 +347,7 @@ def main() -> None:
         prev = json.loads((out / "results.json").read_text())
         questions = tasks_module().load_questions_jsonl(out / "data" / f"{a.task}_eval.jsonl")
         stamp = {k: prev[k] for k in ("commit", "script_command", "eval_questions") if k in prev}
-        stamp["report_commit"] = git_stamp()
+        stamp["report_commit"] = provenance.commit()
         report(parse_log(out / "run" / "polygraph_eval.log"), questions, out, prev["command"], prev["seconds"],
                Path(prev["head"]), stamp)
         print((out / "results.md").read_text())
@@ -370,7 +360,7 @@ def main() -> None:
     (out / "data").mkdir(parents=True, exist_ok=True)
     script_command = "python experiments/polygraph/run_polygraph.py " + " ".join(
         x.replace(str(REPO) + "/", "") for x in sys.argv[1:])
-    commit = git_stamp()
+    commit = provenance.commit()
     if a.head is not None:
         head_dir = default_head_dir() if a.head == "default" else Path(a.head).resolve()
         trained_on = head_training_questions(head_dir)

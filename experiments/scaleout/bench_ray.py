@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,11 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from experiments import provenance  # noqa: E402
 from uhead_vllm.runtime import set_env_defaults  # noqa: E402
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
@@ -68,7 +64,7 @@ def main() -> None:
         ray.shutdown()
     identical = compare_datasets(paths[1], paths[2])["identical"]
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain", "--", "uhead_vllm") else ""),
+    meta = {"commit": provenance.commit(),
             "command": "python -m experiments.scaleout.bench_ray " + " ".join(sys.argv[1:]),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": f"{os.cpu_count()} CPU cores",
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},

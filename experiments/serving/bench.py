@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from experiments import provenance  # noqa: E402
 from serving_server import Server  # noqa: E402
 
 
@@ -72,9 +72,7 @@ def main() -> None:
         args.concurrency, args.requests, args.rounds = [1, 4], 4, 1
     from openai import OpenAI
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
+    commit = provenance.commit()
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = Server(["--max-num-seqs", "32"], log, timeout=600)
     try:
@@ -98,14 +96,14 @@ def main() -> None:
         status = server.get_json("/uhead/status")
     finally:
         server.stop()
-    meta = {"commit": commit + ("-dirty" if dirty else ""), "command": " ".join(["python", "-m", "experiments.serving.bench", *sys.argv[1:]]),
+    meta = {"commit": commit, "command": " ".join(["python", "-m", "experiments.serving.bench", *sys.argv[1:]]),
             "requests_per_round": args.requests, "rounds": args.rounds, "max_tokens": max_tokens,
             "server_status_after": status, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "bench-quick" if args.quick else "bench"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    lines = [f"# uhead-vllm serve: uncertainty on vs off", "",
+    lines = ["# uhead-vllm serve: uncertainty on vs off", "",
              f"commit `{meta['commit']}`, `{meta['command']}`, {meta['time']}; embedded SmolLM2-135M-Instruct, "
              f"shipped head, greedy, max_tokens {max_tokens}, {args.rounds} interleaved rounds x {args.requests} "
              "requests per mode and concurrency, one server, 2-core CPU.", "",

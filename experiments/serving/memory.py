@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import io
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from experiments import provenance  # noqa: E402
 from experiments.serving.bench import questions  # noqa: E402
 from serving_server import Server  # noqa: E402
 
@@ -90,9 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     from openai import OpenAI
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
+    commit = provenance.commit()
     server = Server(["--max-num-seqs", "32", "--row-store-bytes", str(args.row_store_bytes)], Path(tempfile.mkdtemp()) / "server.log", timeout=600)
     samples = []
     try:
@@ -117,7 +115,7 @@ def main() -> None:
         example = readme_example(server.url)
     finally:
         server.stop()
-    meta = {"commit": commit + ("-dirty" if dirty else ""),
+    meta = {"commit": commit,
             "command": " ".join(["python", "-m", "experiments.serving.memory", *sys.argv[1:]]),
             "rounds": args.rounds, "requests_per_round": args.requests, "row_layers": ROW_LAYERS,
             "row_store_bytes": args.row_store_bytes,
