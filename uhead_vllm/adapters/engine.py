@@ -35,6 +35,11 @@ def hidden_size(llm: Any) -> int:
     return int(vllm_config(llm).model_config.get_hidden_size())
 
 
+def residual_streams(llm: Any) -> int:
+    """Parallel residual streams per token (DeepSeek-V4 mHC: ``hc_mult``; 1 for every other model)."""
+    return int(getattr(vllm_config(llm).model_config.hf_text_config, "hc_mult", 1) or 1)
+
+
 def num_decoder_layers(llm: Any) -> int:
     return int(vllm_config(llm).model_config.hf_text_config.num_hidden_layers)
 

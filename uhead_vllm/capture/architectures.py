@@ -34,6 +34,7 @@ class StreamRule(str, Enum):
     SUM = "sum"
     FIRST = "first"
     TENSOR = "tensor"
+    STREAMS = "streams"  # mHC: the layer takes and returns (first) all streams, ``[T, S, H]``
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ _MAMBA2_NOTE = (
     "hidden_states[k-1]; our index 0 is the embedding output."
 )
 
+_DSV4_NOTE = (
+    "Each index holds hc_mult streams, [rows, S, H]. HF's last hidden_states entry is the streams "
+    "before hc_head only with config.tie_last_hidden_states = False (by default it is the folded, "
+    "normed [B, T, H])."
+)
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.architecture: s
     for s in (
@@ -71,6 +78,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("GraniteMoeHybridForCausalLM", "model.layers", "norm", StreamRule.FIRST),
         ArchSpec("Zamba2ForCausalLM", "model.layers", "final_layernorm", StreamRule.TENSOR),
         ArchSpec("Qwen3NextForCausalLM", "model.layers", "norm", StreamRule.SUM),
+        ArchSpec("DeepseekV4ForCausalLM", "model.layers", "norm", StreamRule.STREAMS, _DSV4_NOTE),
         ArchSpec(
             "Lfm2ForCausalLM", "model.layers", "embedding_norm", StreamRule.SUM,
             engine_defect=(
@@ -105,6 +113,12 @@ def stream_from_output(rule: StreamRule, output: Any) -> torch.Tensor:
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"expected the layer to return one tensor, got {type(output).__name__}")
         return output
+    if rule is StreamRule.STREAMS:  # (streams, None, None, None) from the unfused mHC path
+        streams = output[0] if isinstance(output, (tuple, list)) else None
+        if not isinstance(streams, torch.Tensor) or streams.dim() != 3:
+            raise TypeError("expected the layer to return the streams [tokens, streams, hidden] first "
+                            "(the fused mHC path returns the MoE output instead)")
+        return streams
     if not isinstance(output, (tuple, list)) or len(output) != 2:
         raise TypeError(f"expected the layer to return (hidden, residual), got {type(output).__name__}")
     hidden, residual = output
@@ -120,9 +134,11 @@ def stream_from_input(rule: StreamRule, args: tuple, kwargs: dict) -> torch.Tens
     ``residual`` (None for the first layer) and the stream is then their sum. The other rules pass
     the stream itself as ``hidden_states``.
     """
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    hidden = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
     if not isinstance(hidden, torch.Tensor):
         raise TypeError("decoder layer called without a hidden_states tensor")
+    if rule is StreamRule.STREAMS and hidden.dim() != 3:
+        raise TypeError(f"expected the streams [tokens, streams, hidden] as input, got {tuple(hidden.shape)}")
     residual = kwargs.get("residual") if rule is StreamRule.SUM else None
     return hidden if residual is None else hidden + residual
 

