@@ -1,5 +1,6 @@
 """Every touch of vLLM internals lives in this package: one module per model runner, one for the
-model and process, one for the checked versions, one for CPU repairs, one for the engine side.
+model and process, one for the checked versions, one per set of CPU repairs (speculative
+sampling; DeepSeek-V4), one for the engine side.
 
 A new vLLM version is a new row in ``versions.SUPPORTED_VLLM`` plus, where its internals moved, a
 new runner module registered in ``RUNNERS``.
