@@ -32,6 +32,11 @@ def install(state: Any) -> UncertaintyService:
             "--worker-extension-cls uhead_vllm.capture.extension.UheadCaptureExtension and "
             "--additional-config '{\"uhead_vllm\": {\"layers\": [...]}}' (or use `uhead-vllm serve`)")
     settings = CaptureSettings.from_dict(extra[CAPTURE_KEY])
+    streams = int(getattr(vllm_config.model_config.hf_text_config, "hc_mult", 1) or 1)
+    if streams > 1:  # rows of S streams per layer: the server's row layout and heads assume one
+        raise NotImplementedError(
+            f"uhead_vllm serving does not support models with {streams} residual streams (DeepSeek-V4 mHC); "
+            "capture them with VllmHiddenStatesGenerator (docs/capture_points.md#multi-stream-models)")
     cfg = extra.get(SERVE_KEY, {}) or {}
     engine = state.engine_client
     scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
