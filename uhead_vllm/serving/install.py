@@ -17,6 +17,9 @@ from ..adapters.server import EngineTap, install_child_tags
 SERVE_KEY = "uhead_vllm_serve"
 DEFAULT_MAX_ROWS_BYTES = 64 << 20
 DEFAULT_STORE_BYTES = 256 << 20
+#: Rows of S streams per layer: the server's row layout and heads assume one stream.
+MULTI_STREAM_REFUSAL = ("uhead_vllm serving does not support models with {streams} residual streams (DeepSeek-V4 "
+                        "mHC); capture them with VllmHiddenStatesGenerator (docs/capture_points.md#multi-stream-models)")
 
 
 def install(state: Any) -> UncertaintyService:
@@ -33,10 +36,8 @@ def install(state: Any) -> UncertaintyService:
             "--additional-config '{\"uhead_vllm\": {\"layers\": [...]}}' (or use `uhead-vllm serve`)")
     settings = CaptureSettings.from_dict(extra[CAPTURE_KEY])
     streams = int(getattr(vllm_config.model_config.hf_text_config, "hc_mult", 1) or 1)
-    if streams > 1:  # rows of S streams per layer: the server's row layout and heads assume one
-        raise NotImplementedError(
-            f"uhead_vllm serving does not support models with {streams} residual streams (DeepSeek-V4 mHC); "
-            "capture them with VllmHiddenStatesGenerator (docs/capture_points.md#multi-stream-models)")
+    if streams > 1:  # `uhead-vllm serve` refuses before vLLM starts; this is for plain `vllm serve`
+        raise NotImplementedError(MULTI_STREAM_REFUSAL.format(streams=streams))
     cfg = extra.get(SERVE_KEY, {}) or {}
     engine = state.engine_client
     scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)

@@ -16,7 +16,8 @@ from typing import Sequence
 from ..capture.points import Site, parse_sites
 from ..capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CaptureSettings
 from ..errors import InputError
-from .install import DEFAULT_MAX_ROWS_BYTES, DEFAULT_STORE_BYTES, SERVE_KEY
+from ..generation.engine import config_streams
+from .install import DEFAULT_MAX_ROWS_BYTES, DEFAULT_STORE_BYTES, MULTI_STREAM_REFUSAL, SERVE_KEY
 
 MIDDLEWARE = "uhead_vllm.serving.UncertaintyMiddleware"
 #: vLLM flags we set unless the user passes them (flag, value or None for a switch).
@@ -53,6 +54,9 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     from ..models import model_identity, resolve_model
 
     path = resolve_model(args.model, args.model_cache)
+    streams, _ = config_streams(str(path))
+    if streams > 1:
+        raise InputError(MULTI_STREAM_REFUSAL.format(streams=streams))
     ident = model_identity(path)
     layers = args.layers or _default_layers(args.head, ident["num_hidden_layers"])
     points = parse_points(getattr(args, "points", None) or [], ident["num_hidden_layers"])
