@@ -44,7 +44,9 @@ def platform_is_cpu() -> bool:
 
 def residual_streams(llm: Any) -> int:
     """Parallel residual streams per token (DeepSeek-V4 mHC: ``hc_mult``; 1 for every other model)."""
-    return int(getattr(vllm_config(llm).model_config.hf_text_config, "hc_mult", 1) or 1)
+    from .model import residual_streams as of_config
+
+    return of_config(vllm_config(llm))
 
 
 def num_decoder_layers(llm: Any) -> int:

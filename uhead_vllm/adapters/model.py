@@ -148,6 +148,7 @@ def decoder_sublayers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tor
     return out
 
 
-def residual_streams(runner: Any) -> int:
-    """How many parallel residual streams the model keeps (DeepSeek-V4 mHC: ``hc_mult``, else 1)."""
-    return int(getattr(runner.model_config.hf_text_config, "hc_mult", 1) or 1)
+def residual_streams(holder: Any) -> int:
+    """How many parallel residual streams the model keeps (DeepSeek-V4 mHC: ``hc_mult``, else 1);
+    ``holder`` is anything with vLLM's ``model_config``: a model runner or a ``VllmConfig``."""
+    return int(getattr(holder.model_config.hf_text_config, "hc_mult", 1) or 1)

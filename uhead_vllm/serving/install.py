@@ -12,6 +12,7 @@ from typing import Any
 
 from ..capture.protocol import CAPTURE_KEY, CaptureSettings
 from .service import UncertaintyService
+from ..adapters.model import residual_streams
 from ..adapters.server import EngineTap, install_child_tags
 
 SERVE_KEY = "uhead_vllm_serve"
@@ -35,7 +36,7 @@ def install(state: Any) -> UncertaintyService:
             "--worker-extension-cls uhead_vllm.capture.extension.UheadCaptureExtension and "
             "--additional-config '{\"uhead_vllm\": {\"layers\": [...]}}' (or use `uhead-vllm serve`)")
     settings = CaptureSettings.from_dict(extra[CAPTURE_KEY])
-    streams = int(getattr(vllm_config.model_config.hf_text_config, "hc_mult", 1) or 1)
+    streams = residual_streams(vllm_config)
     if streams > 1:  # `uhead-vllm serve` refuses before vLLM starts; this is for plain `vllm serve`
         raise NotImplementedError(MULTI_STREAM_REFUSAL.format(streams=streams))
     cfg = extra.get(SERVE_KEY, {}) or {}
