@@ -250,3 +250,28 @@ def test_pinned_arena_hands_out_until_reset_then_reuses_its_chunks():
     arena.reset()
     again = arena.host_copy(meta)
     assert again.data_ptr() == a.data_ptr() and len(arena.chunks) == 3  # nothing new allocated
+
+
+def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fails_each_of_them():
+    dest = RowDestination(torch.zeros(4, 1, 1), {1: (0, 4)})
+    placer = Placer()
+    first, later = Gate(), Gate()
+    freed = []
+    placer.submit(first, dest, torch.full((1, 1, 1), 1.0), torch.tensor([0]), slots([0], [4], [1]))
+    for value in (2.0, 3.0, 4.0):  # queue up while the thread waits for the first copy; the last wins
+        placer.submit(later, dest, torch.full((1, 1, 1), value), torch.tensor([1]), slots([0], [4], [1]),
+                      done=lambda v=value: freed.append(v))
+    first.opened.set()
+    later.opened.set()
+    assert placer.drain()[0] is None
+    assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 0.0] and freed == [2.0, 3.0, 4.0]
+
+    class Broken:
+        def synchronize(self) -> None:
+            raise RuntimeError("device lost")
+
+    placer.submit(Broken(), dest, torch.full((2, 1, 1), 9.0), torch.tensor([2, 3]), slots([0], [4], [2]),
+                  done=lambda: freed.append("broken"))
+    error, _ = placer.drain()
+    assert error is not None and "device lost" in error
+    assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 0.0] and freed[-1] == "broken"

@@ -6,7 +6,13 @@ chat prompts × n=4 × 128 tokens with ``ignore_eos`` so every configuration gen
 tokens. Each configuration runs in its own process, one after another (vLLM reads the runner choice
 once per process); the parent writes ``bench-<shape>.json`` and ``bench-<shape>.md`` with ratios.
 
+``--paired`` instead builds plain vLLM with graphs and capture with graphs side by side in one
+process (each with vLLM's default engine-core process, Model Runner V2) and alternates their runs,
+PAIRED_REPS of each per batch size: the ratio of the medians is then free of the process-to-process
+speed differences (±20% on the lent machines) that the one-process-per-configuration ratios carry.
+
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired ...
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from experiments import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples
 N, MAX_TOKENS, REPS = 4, 128, 2
+PAIRED_REPS = 7  # alternating runs of each engine per batch size in --paired mode
 
 
 def configs(shape: str, n_layers: int) -> list[dict[str, Any]]:
@@ -48,9 +57,12 @@ def configs(shape: str, n_layers: int) -> list[dict[str, Any]]:
     return out
 
 
-def engine_settings(shape: str, tp: int = 1) -> dict[str, Any]:
+def engine_settings(shape: str, tp: int = 1, paired: bool = False) -> dict[str, Any]:
+    """One engine's settings; ``paired``: two engines share the GPU (the largest batch needs
+    ~6.3 GB of KV cache at the 8B shape, 256 sequences of ~190 tokens)."""
+    kv_gib = (8 if shape == "llama8b" else 4) if paired else (16 if shape == "llama8b" else 8)
     return dict(load_format="dummy", enable_prefix_caching=True, max_model_len=1024, max_num_seqs=256,
-                gpu_memory_utilization=0.85, kv_cache_memory_bytes=(16 if shape == "llama8b" else 8) << 30,
+                gpu_memory_utilization=0.42 if paired else 0.85, kv_cache_memory_bytes=kv_gib << 30,
                 seed=0, tensor_parallel_size=tp,
                 compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
 
@@ -84,6 +96,69 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
         result["after_pass_profile_smallest"] = after_pass_profile(runner, Workload(min(BATCHES), N, MAX_TOKENS))
     runner.close()
     return result
+
+
+def paired_child(model: str, shape: str, n_layers: int) -> dict[str, Any]:
+    """Plain vLLM with graphs and capture with graphs built side by side, runs alternated."""
+    sys.path.insert(0, str(REPO))
+    from experiments.bench.engines import Config, Runner
+    from experiments.bench.workload import Workload, rendered_prompts
+    from transformers import AutoTokenizer
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
+        raise RuntimeError("--paired needs vLLM's engine-core processes (VLLM_ENABLE_V1_MULTIPROCESSING=1): "
+                           "two in-process engines would share one Python interpreter")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = rendered_prompts(tokenizer, max(BATCHES))
+    layers = (0, n_layers // 2, n_layers)
+    big = Workload(max(BATCHES), N, MAX_TOKENS)
+    runners = {"plain-graphs": Runner(Config("plain", "compiled"), model, "bfloat16", (0,),
+                                      engine_settings(shape, paired=True), prompts, big),
+               "ours-graphs": Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", layers,
+                                     engine_settings(shape, paired=True), prompts, big)}
+    for runner in runners.values():
+        runner.warmup(big)
+    result: dict[str, Any] = {"name": "paired", "layers": list(layers), "batches": {}}
+    for b in BATCHES:
+        wl = Workload(b, N, MAX_TOKENS)
+        seconds: dict[str, list[float]] = {name: [] for name in runners}
+        extra: dict[str, Any] = {}
+        for _ in range(PAIRED_REPS):
+            for name, runner in runners.items():
+                r = runner.run(wl)
+                seconds[name].append(r.seconds)
+                extra[name] = r.extra
+        med = {name: float(np.median(v)) for name, v in seconds.items()}
+        result["batches"][str(b * N)] = {
+            "seconds": seconds, "median_seconds": med, "generated_tokens": wl.generated_tokens,
+            "ratio_of_medians": med["plain-graphs"] / med["ours-graphs"],
+            "ratio_of_best": min(seconds["plain-graphs"]) / min(seconds["ours-graphs"]),
+            "pair_ratios": [p / o for p, o in zip(seconds["plain-graphs"], seconds["ours-graphs"])],
+            "extra": extra}
+        print(f"[paired] {b * N} seqs: plain/ours {result['batches'][str(b * N)]['ratio_of_medians']:.3f}", flush=True)
+    result["after_pass_profile"] = after_pass_profile(runners["ours-graphs"], big)
+    for runner in runners.values():
+        runner.close()
+    return result
+
+
+def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
+    lines = [f"# GPU capture throughput, paired in one process, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`", "",
+             f"Plain vLLM with CUDA graphs and capture with CUDA graphs (layers {res['layers']}, bf16 rows) built "
+             f"side by side, each with vLLM's default engine-core process and Model Runner V2; their runs "
+             f"alternate, {PAIRED_REPS} of each per batch size. Capture's time includes the rows' fetch and "
+             "assembly into per-sample tensors.", "",
+             "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) | pairs: min-max |",
+             "|---|---|---|---|---|---|"]
+    for seqs, r in res["batches"].items():
+        med, pairs = r["median_seconds"], r["pair_ratios"]
+        lines.append(f"| {seqs} | {med['plain-graphs']:.3f} | {med['ours-graphs']:.3f} | **{r['ratio_of_medians']:.3f}** "
+                     f"| {r['ratio_of_best']:.3f} | {min(pairs):.3f}-{max(pairs):.3f} |")
+    big = res["batches"][str(max(BATCHES) * N)]["extra"]["ours-graphs"]
+    lines += ["", f"Capture at {max(BATCHES) * N} sequences, last run: " + ", ".join(
+        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()), ""]
+    return "\n".join(lines) + "\n"
 
 
 def fanout(runner: Any, prompts: list[str], tokenizer: Any, captured: Any = None) -> dict[str, Any]:
@@ -204,6 +279,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
+    ap.add_argument("--paired", action="store_true",
+                    help="plain and capture with graphs side by side in one process, runs alternated")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,7 +288,12 @@ def main() -> None:
     if args.child:
         spec = json.loads(args.child)
         try:
-            res = child(spec, args.model, args.shape, args.tp)
+            if spec["name"] == "paired":
+                from experiments.gpu.models import SHAPES
+
+                res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"])
+            else:
+                res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
             import traceback
 
@@ -238,7 +320,10 @@ def main() -> None:
                          "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
     results = []
     only = set(filter(None, args.only.split(",")))
-    for spec in configs(args.shape, SHAPES[args.shape]["num_hidden_layers"]):
+    specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
+    if args.paired:
+        specs = [dict(name="paired", runner="v2")]
+    for spec in specs:
         if only and spec["name"] not in only:
             continue
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if spec["runner"] == "v2" else "0"}
@@ -251,12 +336,19 @@ def main() -> None:
         path.unlink(missing_ok=True)
         res["wall_seconds"] = time.perf_counter() - t0
         results.append(res)
-        print(f"[bench] {spec['name']}: {time.perf_counter() - t0:.0f} s "
-              f"{'ERROR' if 'error' in res else {b: round(v['tok_per_s']) for b, v in res['batches'].items()}}",
-              flush=True)
-        name = f"bench-{args.shape}" + (f"-tp{args.tp}" if args.tp > 1 else "")
+        if "error" in res:
+            summary = "ERROR " + res["error"][-600:].replace("\n", " | ")
+        elif args.paired:
+            summary = {b: round(v["ratio_of_medians"], 3) for b, v in res["batches"].items()}
+        else:
+            summary = {b: round(v["tok_per_s"]) for b, v in res["batches"].items()}
+        print(f"[bench] {spec['name']}: {time.perf_counter() - t0:.0f} s {summary}", flush=True)
+        name = f"bench-{args.shape}" + (f"-tp{args.tp}" if args.tp > 1 else "") + ("-paired" if args.paired else "")
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        (out / f"{name}.md").write_text(report(results, args.shape, meta))
+        if args.paired and "batches" in res:
+            (out / f"{name}.md").write_text(paired_report(res, args.shape, meta))
+        elif not args.paired:
+            (out / f"{name}.md").write_text(report(results, args.shape, meta))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from .protocol import RowDestination
 
 #: Rows copied per numpy assignment when a shared prompt row fans out to the members of a group.
 SHARED_WRITES_PER_COPY = 8192
+#: Most queued steps the placer thread takes on one wake-up.
+MAX_STEPS_PER_WAKE = 32
 
 
 @dataclass
@@ -100,7 +102,7 @@ class Placer:
         ``done`` runs after it, placed or not (it frees the step's staging memory)."""
         item = (ready, dest, hidden, positions, chunks, done)
         if ready is None and self._thread is None:
-            self._place(item)
+            self._place([item])
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="uhead-row-placer", daemon=True)
@@ -117,23 +119,41 @@ class Placer:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            items = [self._queue.get()]
+            while len(items) < MAX_STEPS_PER_WAKE:  # steps that queued up while the last ones were placed
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                self._place(item)
+                # The copies complete in submission order (one copy stream): waiting for the last
+                # step's covers them all. One wait and one wake-up per batch, not per step, so the
+                # thread takes the engine's GIL less often when it runs behind.
+                last = next((item[0] for item in reversed(items) if item[0] is not None), None)
+                self._place(items, last)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
 
-    def _place(self, item: tuple) -> None:
-        ready, dest, hidden, positions, chunks, done = item
+    def _place(self, items: list[tuple], ready: Any = None) -> None:
+        """Place ``items`` in order once ``ready`` (the last one's copy) is; each one's failure is
+        its own (reported at drain), and each one's ``done`` runs either way."""
         try:
             if ready is not None:
                 ready.synchronize()
-            start = time.perf_counter()
-            place_step(dest, hidden, positions, chunks)
-            self._seconds += time.perf_counter() - start
-        except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
-            if self._error is None:
-                self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"
-        finally:
-            if done is not None:
-                done()
+            waited = None
+        except Exception as exc:
+            waited = exc
+        for _, dest, hidden, positions, chunks, done in items:
+            try:
+                if waited is not None:
+                    raise waited
+                start = time.perf_counter()
+                place_step(dest, hidden, positions, chunks)
+                self._seconds += time.perf_counter() - start
+            except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
+                if self._error is None:
+                    self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"
+            finally:
+                if done is not None:
+                    done()

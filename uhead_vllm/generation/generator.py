@@ -362,8 +362,9 @@ class VllmHiddenStatesGenerator:
         stats.store_evictions = self.store.evictions - evictions
         stats.store_stale_drops = self.store.stale_drops - stale
         result = self._result(prompts, rendered, seqs, stats)
-        stats.held_bytes = held_bytes(self.store.tensors() + self.step_cache.tensors(),
-                                      {**occupied, **self.store.buffer_sizes()})
+        # The store already counts its buffers; only the step cache's are looked up tensor by tensor.
+        stats.held_bytes = held_bytes(self.step_cache.tensors(), {**occupied, **self.store.buffer_sizes()},
+                                      also=self.store.buffer_sizes())
         self.stats.add(stats)
         return result
 

@@ -210,11 +210,13 @@ def _buffer_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def held_bytes(tensors: Iterable[torch.Tensor], known: dict[int, int] | None = None) -> int:
-    """Bytes of the distinct buffers that ``tensors`` (views or not) keep alive; ``known`` gives
-    the occupied bytes of buffers larger than what was written into them."""
+def held_bytes(tensors: Iterable[torch.Tensor], known: dict[int, int] | None = None,
+               also: dict[int, int] | None = None) -> int:
+    """Bytes of the distinct buffers that ``tensors`` (views or not) and ``also`` (buffers already
+    counted: address -> bytes) keep alive; ``known`` gives the occupied bytes of buffers larger
+    than what was written into them."""
     known = known or {}
-    seen: dict[int, int] = {}
+    seen: dict[int, int] = dict(also or {})
     for t in tensors:
         address = buffer_address(t)
         seen[address] = known.get(address, _buffer_bytes(t))
