@@ -257,7 +257,9 @@ class RowRecorder:
             for host, t in ((host_hidden, hidden), (host_meta, meta)):
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the allocator must not hand ``t`` out before the copy ran
-            event = torch.cuda.Event()
+            # A blocking event: the placer thread waiting on it sleeps instead of spinning in the
+            # driver, where a spinning wait slows the engine thread's own launches.
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
         finally:
             torch.cuda.set_stream(main)
