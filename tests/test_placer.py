@@ -275,3 +275,23 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
     error, _ = placer.drain()
     assert error is not None and "device lost" in error
     assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 0.0] and freed[-1] == "broken"
+
+
+def test_shared_rows_count_only_below_the_prefix_the_prompts_really_share_and_never_after_a_wrong_row():
+    from uhead_vllm.generation.prefix_groups import credited_shared_rows
+
+    # sequences 0, 1 sample one prompt [5, 6, 7]; sequence 2's prompt shares [5, 6] (one block of 2)
+    # but vLLM ran sequence 1's prompt as [5, 6, 9] (tokenized differently than counted)
+    prompts = [np.array([5, 6, 7]), np.array([5, 6, 9]), np.array([5, 6, 8])]
+    num_rows = np.array([4, 4, 4])
+    cum = np.array([0, 4, 8, 12])
+    groups = [(3, [0, 1]), (2, [0, 1, 2])]
+    # sequence 0 forwarded positions 0-3 (position 1 with a wrong token); the others only their own tail
+    rows = np.array([0, 1, 2, 3, 6, 7, 10, 11])
+    matched = np.array([True, False, True, True, True, True, True, True])
+    targets, good = credited_shared_rows(prompts, num_rows, cum, groups, rows, matched)
+    credited = dict(zip(targets.tolist(), good.tolist()))
+    # position 0: forwarded and right, shared by all three; position 1: a wrong row reached every slot
+    assert [credited[r] for r in (0, 4, 8)] == [True] * 3 and [credited[r] for r in (1, 5, 9)] == [False] * 3
+    # position 2 is past what sequences 0 and 1 really share ([5, 6]): never credited from the group
+    assert credited[2] is False and credited[6] is False and 10 not in credited

@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..adapters import engine as engine_internals
@@ -26,7 +27,7 @@ from ..errors import UheadError
 from .assembly import place_rows
 from .backends import open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
-from .prefix_groups import prefix_groups
+from .prefix_groups import credited_shared_rows, prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import CAPTURE_CACHE_SALT, SteeredRequest, steer_request, step_key
@@ -518,47 +519,13 @@ class VllmHiddenStatesGenerator:
     def _shared_prefix_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination,
                             rows: torch.Tensor, matched: torch.Tensor, cum: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which prompt rows of grouped requests hold a right row (see ``RowDestination.groups``).
-
-        The worker wrote every row a request forwarded at a shared prompt position into the slot
-        of every request sharing that prefix, in an order this side does not know. The writers
-        into request b's slot at position p are the members of the largest group of b whose limit
-        is above p (the groups are nested), so b's row there counts only if some member forwarded
-        p and every row forwarded there carried the prompt's token (the same ids before it: the
-        same computation). Positions at or past the prefix the members' prompts really share (a
-        text prompt that vLLM tokenized differently than counted) never count: a row of another
-        prompt, or a generated one, may have landed there. ``rows`` / ``matched``: the captured
-        rows of our requests as indices among all sequences' rows and whether their token was
-        right. Returns the rows' indices among all sequences' rows and whether each counts.
-        """
+        """Which prompt rows of grouped requests hold a right row (see ``credited_shared_rows``)."""
         index = {t: k for k, t in enumerate(tags)}
-        # Inner groups first, outer ones overwrite the positions they cover (at an equal limit the
-        # larger group is the outer one: its members all write into each other's slots there).
-        groups = sorted(destination.groups, key=lambda g: (-g[0], len(g[1])))
-        limits = torch.tensor([limit for limit, _ in groups], dtype=torch.int64)
-        start = torch.zeros(len(groups) + 1, dtype=torch.int64)
-        start[1:] = limits.cumsum(0)
-        key_of = torch.full((int(cum[-1]),), -1, dtype=torch.int64)  # per row: its (group, position) key
-        shared_to = torch.zeros(len(groups), dtype=torch.int64)  # positions the members' prompts share
-        for g, (limit, members) in enumerate(groups):
-            ks = [index[t] for t in members]
-            prompts = [seqs[k].expected[: len(seqs[k].expected) - len(seqs[k].output.token_ids)] for k in ks]
-            common = min([limit] + [len(p) for p in prompts])
-            same = (torch.stack([p[:common] for p in prompts]) == prompts[0][:common]).all(0)
-            shared_to[g] = common if bool(same.all()) else int((~same).nonzero()[0])
-            n = torch.tensor([min(limit, seqs[k].num_rows) for k in ks], dtype=torch.int64)
-            p = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
-            key_of[torch.repeat_interleave(cum[ks], n) + p] = start[g] + p
-        keys = key_of[rows]
-        forwarded = torch.zeros(int(start[-1]), dtype=torch.bool)
-        forwarded[keys[keys >= 0]] = True
-        bad = torch.zeros_like(forwarded)
-        bad[keys[(keys >= 0) & ~matched]] = True
-        targets = torch.nonzero(key_of >= 0).flatten()
-        k = key_of[targets]
-        group = torch.repeat_interleave(torch.arange(len(groups)), limits)[k]
-        good = forwarded[k] & ~bad[k] & (k - start[group] < shared_to[group])
-        return targets, good
+        prompts = [q.expected[: len(q.expected) - len(q.output.token_ids)].numpy() for q in seqs]
+        num_rows = np.asarray([q.num_rows for q in seqs], dtype=np.int64)
+        groups = [(limit, [index[t] for t in members]) for limit, members in destination.groups]
+        targets, good = credited_shared_rows(prompts, num_rows, cum.numpy(), groups, rows.numpy(), matched.numpy())
+        return torch.from_numpy(targets), torch.from_numpy(good)
 
     @staticmethod
     def _occupied(seqs: list[_Seq]) -> dict[int, int]:

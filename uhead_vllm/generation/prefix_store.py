@@ -32,9 +32,16 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt:
 
 @dataclass
 class _Block:
-    rows: torch.Tensor  # [block_size, L, H]: a view into the rows of the call that produced it
+    source: torch.Tensor  # the rows of the call that produced the block (or the block's own copy)
+    start: int  # the block's first row in ``source``
+    size: int
     version: int | None  # the rows' version counter when sealed; None until the call ends
-    address: int  # storage address of the buffer ``rows`` points into
+    address: int  # storage address of the buffer ``source`` points into
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """``[block_size, L, H]``, a view (made on use: a call stores thousands of blocks)."""
+        return self.source[self.start : self.start + self.size]
 
 
 class PrefixRowStore:
@@ -107,12 +114,14 @@ class PrefixRowStore:
                 continue
             else:
                 added += 1
-            block = rows[b * self.block_size : (b + 1) * self.block_size]
+            start = b * self.block_size
             if copy:
-                block = block.clone()
-            where = buffer_address(block) if copy else address
-            self._blocks[key] = _Block(block, block._version if seal else None, where)
-            self._hold(where, _buffer_bytes(block) if copy else size)
+                source, start = rows[start : start + self.block_size].clone(), 0
+                where, held = buffer_address(source), _buffer_bytes(source)
+            else:
+                source, where, held = rows, address, size
+            self._blocks[key] = _Block(source, start, self.block_size, source._version if seal else None, where)
+            self._hold(where, held)
             self._evict()
         return added
 
@@ -120,7 +129,7 @@ class PrefixRowStore:
         """Stamp unversioned blocks: from now on an in-place change to their buffer retires them."""
         for block in self._blocks.values():
             if block.version is None:
-                block.version = block.rows._version
+                block.version = block.source._version
 
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"",
              keys: list[bytes] | None = None, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
@@ -145,7 +154,7 @@ class PrefixRowStore:
             block = self._blocks.get(key)
             if block is None:
                 continue
-            if block.version is not None and block.rows._version != block.version:
+            if block.version is not None and block.source._version != block.version:
                 del self._blocks[key]  # its buffer was changed in place after its call
                 self._release(block.address)
                 self.stale_drops += 1
