@@ -4,6 +4,7 @@
 #   bash experiments/gpu/device_run.sh pytest                    # tests/gpu, parity files as one tgz
 #   bash experiments/gpu/device_run.sh bench SHAPE [bench args]  # SHAPE: smollm2 | llama8b
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh bench ...  # vLLM's default separate engine process
+#   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh ablate SHAPE  # capture's cost inside generate, split
 # The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
 # UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
 set -uo pipefail
@@ -26,5 +27,9 @@ case $what in
     timeout "${TIMEOUT:-540}" python3 -m experiments.gpu.bench_gpu --shape "$shape" --tokenizer .gpu/tok \
       --out "$dir" "$@" 2>&1 | grep -E "^\[bench\]|Error" | tail -n 20
     cat "$dir"/bench-*.md 2>/dev/null | tail -n 16 ;;
-  *) echo "unknown: $what (pytest | bench SHAPE)"; exit 2 ;;
+  ablate)  # with ENGINE_PROCESS=1: capture's cost inside generate, split (experiments/gpu/ablate_capture.py)
+    shape=$1; shift
+    timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.ablate_capture --shape "$shape" --tokenizer .gpu/tok \
+      --out "$OUT/ablate" "$@" 2>&1 | grep -E "^\||Error" | tail -n 12 ;;
+  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE)"; exit 2 ;;
 esac
