@@ -280,3 +280,18 @@ def test_blocks_cached_by_plain_requests_cost_no_second_pass(llm, model_path):
     assert st.rows_recomputed == 0 and st.recompute_requests == 0 and st.rows_from_store == 0
     assert st.prefix_cache_rows > 0 and st.rows_from_shared_prefix == st.prefix_cache_rows  # samples share
     check_all(model_path, res)
+
+
+def test_text_prompts_reach_vllm_as_the_token_ids_vllm_would_make(llm, model_path):
+    """The generator tokenizes text prompts once per prompt (not once per sample inside vLLM): the
+    ids, the greedy outputs and the prompt text vLLM reports equal a plain ``llm.generate`` of the
+    text."""
+    gen = VllmHiddenStatesGenerator(llm)
+    prompts = ["The cat sat on", SHARED + "2 + 2 ="]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    plain = llm.generate(prompts, greedy, use_tqdm=False)
+    res = gen.generate(prompts, greedy)
+    for p, a, b in zip(prompts, plain, res.outputs):
+        assert b.prompt == p == a.prompt and list(b.prompt_token_ids) == list(a.prompt_token_ids)
+        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+    check_all(model_path, res)
