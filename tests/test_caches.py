@@ -127,3 +127,39 @@ def test_step_cache_rule_when_a_candidate_is_a_prefix_of_a_sibling():
     other.begin_call()
     for prompt in (p + short, p + short + "\n2+12", p + long_, p + "3*4 = 1"):
         assert [r.text for r in other.history_for(prompt)] == hist(prompt), prompt
+
+
+def _linear_history_for(entries: dict, prompt: str):
+    """The step cache's rules by brute force over every key (the reference for its binary search)."""
+    p, best, best_rank = prompt.rstrip(), None, None
+    for key, entry in entries.items():  # insertion order: the first of equal ranks wins
+        if p.startswith(key):
+            rank = (len(key), 1, 0)
+        elif key.startswith(p) and len(p) > entry.prompt_len:
+            rank = (len(p), 0, -len(key))
+        else:
+            continue
+        if best_rank is None or rank > best_rank:
+            best, best_rank = key, rank
+    return best
+
+
+def test_step_cache_binary_search_agrees_with_a_scan_of_every_key():
+    import random
+
+    rng = random.Random(0)
+    text = lambda n: "".join(rng.choice("ab \n") for _ in range(rng.randint(0, n)))  # noqa: E731
+    for _ in range(300):
+        cache = StepCache(rng.randint(1, 3))
+        for _ in range(rng.randint(1, 4)):
+            cache.begin_call()
+            keys = list(cache._entries)
+            prompts = [text(6) for _ in range(4)] + [k[: rng.randint(0, len(k) + 2)] + text(2) for k in keys[:4]]
+            found = {}
+            for p in prompts:
+                want = _linear_history_for(cache._entries, p)
+                history = cache.history_for(p)
+                assert history == ([] if want is None else cache._entries[want].history)
+                found[p] = history
+            for p in prompts:
+                cache.extend(p, StepRecord(text(4), [], torch.zeros(0)), found[p])
