@@ -57,9 +57,9 @@ def credited_shared_rows(prompts: Sequence[np.ndarray], num_rows: np.ndarray, cu
     sequence b's slot at position p are the members of the largest group of b whose limit is above
     p (the groups nest), so b's row there counts only if some member forwarded p and every row
     forwarded there carried the prompt's token (the same ids before it: the same computation).
-    Positions at or past the prefix the members' prompts really share (a text prompt that vLLM
-    tokenized differently than counted) never count: a row of another prompt, or a generated one,
-    may have landed there.
+    Positions at or past the prefix the members' prompts really share (should vLLM run other ids
+    than the groups were built from) never count: a row of another prompt, or a generated one, may
+    have landed there.
 
     ``prompts[k]`` / ``num_rows[k]``: sequence k's prompt as vLLM ran it and its row count;
     ``cum``: the sequences' first rows among all rows (length + 1); ``groups``: ``(limit, sequence
