@@ -295,3 +295,27 @@ def test_shared_rows_count_only_below_the_prefix_the_prompts_really_share_and_ne
     assert [credited[r] for r in (0, 4, 8)] == [True] * 3 and [credited[r] for r in (1, 5, 9)] == [False] * 3
     # position 2 is past what sequences 0 and 1 really share ([5, 6]): never credited from the group
     assert credited[2] is False and credited[6] is False and 10 not in credited
+
+
+def test_a_large_step_is_written_by_several_threads_with_the_same_result():
+    from uhead_vllm.capture import placer as placer_module
+
+    n, width = 2048, 1024  # 8 MiB of float32 rows: above PARALLEL_BYTES
+    assert n * width * 4 >= placer_module.PARALLEL_BYTES
+    slots_of = {t: (t * 64, 64) for t in range(64)}
+    groups = [(8, tuple(range(g, g + 4))) for g in range(0, 64, 4)]
+    rows = torch.randn(n, 1, width)
+    positions = torch.arange(32).repeat(64)  # 64 requests x 32 prompt rows; the first 8 shared by groups of 4
+    per_request = rows.view(64, 32, 1, width)
+    per_request[:, :8] = per_request[::4, :8].repeat_interleave(4, 0)  # a shared prefix: the same rows
+    tags = list(range(64))
+    expected_dest = RowDestination(torch.zeros(64 * 64, 1, width), slots_of, groups)
+    chunks = slots([slots_of[t][0] for t in tags], [64] * 64, [32] * 64, [expected_dest.group_row[t] for t in tags])
+    placer_module.place_step(expected_dest, rows, positions, chunks)  # one thread
+    dest = RowDestination(torch.zeros(64 * 64, 1, width), slots_of, groups)
+    placer = Placer()
+    gate = Gate()
+    placer.submit(gate, dest, rows, positions, chunks)  # the placer thread, with its writers
+    gate.opened.set()
+    assert placer.drain()[0] is None
+    assert torch.equal(dest.buffer, expected_dest.buffer) and bool(dest.buffer.abs().sum(-1).gt(0).sum() == 64 * 32)
