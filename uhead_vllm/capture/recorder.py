@@ -258,7 +258,7 @@ class RowRecorder:
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the allocator must not hand ``t`` out before the copy ran
             # A blocking event: the placer thread waiting on it sleeps instead of spinning in the
-            # driver, where a spinning wait slows the engine thread's own launches.
+            # driver beside the engine thread's launches.
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
         finally:
