@@ -380,8 +380,8 @@ class VllmHiddenStatesGenerator:
         stats.store_stale_drops = self.store.stale_drops - stale
         result = self._result(prompts, rendered, seqs, stats)
         # The store already counts its buffers; only the step cache's are looked up tensor by tensor.
-        stats.held_bytes = held_bytes(self.step_cache.tensors(), {**occupied, **self.store.buffer_sizes()},
-                                      also=self.store.buffer_sizes())
+        stored = self.store.buffer_sizes()
+        stats.held_bytes = held_bytes(self.step_cache.tensors(), {**occupied, **stored}, also=stored)
         self.stats.add(stats)
         return result
 
