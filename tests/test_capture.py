@@ -132,6 +132,13 @@ def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     assert len(samples) == 4
     for key in samples:
         assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
+    # Shared row files: held rows stay as they were, a file nobody holds is written again.
+    assert meta["held_rows_unchanged"] == "True" and meta["files_created_while_held"] == "2"
+    assert meta["files_created"] == "2" and meta["files_reused"] == "1" and int(meta["again_rows_placed"]) > 0
+    again = sorted(k[: -len("_ids")] for k in t if k.startswith("again_") and k.endswith("_ids"))
+    assert len(again) == 4
+    for key in again:
+        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
 
 
 def test_bf16_storage_rows_match_hf(tiny_models):

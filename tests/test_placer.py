@@ -3,6 +3,8 @@ after their copy is ready, and failures surface at drain instead of vanishing.""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import threading
 
@@ -162,27 +164,75 @@ def test_destination_refuses_slots_outside_its_buffer():
         RowDestination(torch.zeros(3, 1, 1), {1: (0, 2), 2: (2, 2)})
 
 
+def _shared(files, shape, slots, groups=()):
+    """What AuxClient.place_into does: a file from ``files``, its spec, and the engine side's view."""
+    from uhead_vllm.capture.protocol import SharedDestination
+
+    spec = SharedDestination("", shape, "bfloat16", slots, groups=list(groups))
+    row_file, flat = files.take(spec.nbytes)
+    spec = dataclasses.replace(spec, path=row_file.path, file_id=row_file.file_id, key=row_file.key,
+                               file_bytes=row_file.nbytes, keep=tuple(files.keys()))
+    return row_file, spec, RowDestination(flat.view(torch.bfloat16).view(shape), slots, list(groups))
+
+
 def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp_path):
     from uhead_vllm.capture.protocol import SharedDestination
-    from uhead_vllm.generation.backends.aux import create_shared_destination
+    from uhead_vllm.generation.shared_rows import SharedRowFiles
 
-    shared = create_shared_destination((6, 2, 3), "bfloat16", {4: (0, 3), 5: (3, 3)}, [(2, (4, 5))])
-    assert shared is not None
-    spec, mine = shared
-    try:
-        theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
-        theirs.buffer[2] = 7.0
-        assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 3), 5: (3, 3)}
-        assert theirs.groups == [(2, (4, 5))] and mirrors(theirs, 5) == {0: 2}
-        other = tmp_path / "same-name-elsewhere"
-        other.write_bytes(b"\0" * 72)
-        moved = SharedDestination(str(other), spec.shape, spec.dtype, spec.slots, spec.file_id)
-        with pytest.raises(FileNotFoundError, match="not the engine side's"):
-            moved.open()
-    finally:
-        os.unlink(spec.path)
+    files = SharedRowFiles()
+    row_file, spec, mine = _shared(files, (6, 2, 3), {4: (0, 3), 5: (3, 3)}, [(2, (4, 5))])
+    theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
+    theirs.buffer[2] = 7.0
+    assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 3), 5: (3, 3)}
+    assert theirs.groups == [(2, (4, 5))] and mirrors(theirs, 5) == {0: 2}
+    other = tmp_path / "same-name-elsewhere"
+    other.write_bytes(b"\0" * 72)
+    moved = dataclasses.replace(spec, path=str(other))
+    with pytest.raises(FileNotFoundError, match="not the engine side's"):
+        moved.open()
+    files.unname(row_file)
+    assert not os.path.exists(spec.path)
     with pytest.raises(FileNotFoundError, match="not visible"):
         SharedDestination.from_json(spec.to_json()).open()
+
+
+def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
+    from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.generation.shared_rows import SharedRowFiles
+
+    files = SharedRowFiles(keep_idle=1)
+    mapped: dict = {}  # the worker's mappings, kept across calls
+    first, spec, mine = _shared(files, (6, 2, 3), {1: (0, 6)})
+    theirs = SharedDestination.from_json(spec.to_json()).open(mapped)
+    files.unname(first)  # the worker mapped it: from now on it finds the file by key only
+    theirs.buffer.fill_(1.0)
+    held = mine.buffer[1:3]  # a result's view keeps the whole file in use
+    del mine, theirs
+    gc.collect()
+    second, spec2, mine2 = _shared(files, (4, 2, 3), {2: (0, 4)})
+    assert second is not first and files.created == 2 and files.reused == 0
+    theirs2 = SharedDestination.from_json(spec2.to_json()).open(mapped)
+    files.unname(second)
+    theirs2.buffer.fill_(2.0)
+    assert bool((held == 1.0).all())  # the held rows were not written over
+    del held, mine2, theirs2
+    gc.collect()
+    # Both idle: the larger one is kept (keep_idle=1) and handed out again; the smaller is unmapped.
+    again, spec3, mine3 = _shared(files, (5, 2, 3), {3: (0, 5)})
+    assert again is first and files.reused == 1 and files.keys() == [first.key]
+    theirs3 = SharedDestination.from_json(spec3.to_json()).open(mapped)
+    assert list(mapped) == [first.key]  # the worker let go of the file the engine side unmapped
+    theirs3.buffer[4] = 3.0
+    assert bool((mine3.buffer[4] == 3.0).all()) and mine3.buffer.shape == (5, 2, 3)
+    assert files.idle_bytes() == 0
+    too_small = dataclasses.replace(spec3, shape=(7, 2, 3), slots={3: (0, 7)})
+    with pytest.raises(ValueError, match="holds 72 bytes, the destination needs 84"):
+        too_small.open(mapped)
+    del mine3, theirs3
+    gc.collect()
+    assert files.idle_bytes() == first.nbytes
+    files.close()
+    assert files.keys() == []
 
 
 def test_placed_rows_cross_a_process_boundary_as_metadata_only():

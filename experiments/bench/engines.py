@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from uhead_vllm.generation.backends.aux import shared_row_files
+
 from . import baseline_extension
 from .workload import Workload
 
@@ -197,6 +199,7 @@ class Runner:
         if keep is not None:
             keep.append(res)
         st = res.stats
+        files = shared_row_files(self.llm)  # with an engine process: shared files made vs handed out again
         return RunResult(dt, _generated(res.outputs), rows=rows, rows_forwarded=self._rows_forwarded,
                          payload_bytes=self._payload_bytes, hidden_bytes=hidden_bytes,
                          extra={"vllm_generate_seconds": self._generate_seconds,
@@ -208,7 +211,8 @@ class Runner:
                                 "prefix_cache_rows": st.prefix_cache_rows,
                                 "rows_placed_during_generation": self._rows_placed,
                                 "record_seconds": st.record_seconds, "place_seconds": st.place_seconds,
-                                "held_bytes": st.held_bytes})
+                                "held_bytes": st.held_bytes, "row_files_created": files.created,
+                                "row_files_reused": files.reused})
 
     def warmup(self, workload: Workload) -> None:
         """Same batch shape as the timed workload, few tokens: compiles kernels, fills caches."""

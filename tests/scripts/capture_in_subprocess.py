@@ -4,11 +4,13 @@ Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
-prefix cache, from the request that computed them), and are saved too.
+prefix cache, from the request that computed them), and are saved too; so are the rows of a
+later call written into a shared file used before.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ def main() -> None:
 
     from uhead_vllm.capture.protocol import RequestTag
     from uhead_vllm.generation import CaptureClient, VllmHiddenStatesGenerator, build_llm
+    from uhead_vllm.generation.backends.aux import shared_row_files
 
     model, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     layers = json.loads(sys.argv[4])
@@ -49,10 +52,31 @@ def main() -> None:
             tensors[f"{key}_hidden"] = s.hidden.clone()
             tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
     st = res.stats
+    # Shared row files are handed out again once nobody holds their rows: a second call while the
+    # first one's rows are held takes a new file and leaves those rows as they were; a call after
+    # both were let go (another generator on the engine) writes into a file used before.
+    files = shared_row_files(llm)
+    gen2 = VllmHiddenStatesGenerator(llm)
+    res2 = gen2.generate([prompts[2], "a different prompt here"], SamplingParams(n=2, max_tokens=8, temperature=0.8))
+    unchanged = all(torch.equal(s.hidden, tensors[f"gen_{s.prompt_index}_{s.sample_index}_hidden"])
+                    for per_prompt in res.hidden_states for s in per_prompt)
+    created_while_held = files.created
+    del res, res2, per_prompt, s, gen2
+    gc.collect()
+    res3 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
+    for per_prompt in res3.hidden_states:
+        for s in per_prompt:
+            key = f"again_{s.prompt_index}_{s.sample_index}"
+            tensors[f"{key}_hidden"] = s.hidden.clone()
+            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
     save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
                                       "rows_captured": str(st.rows_captured),
                                       "rows_from_shared_prefix": str(st.rows_from_shared_prefix),
-                                      "rows_from_store": str(st.rows_from_store)})
+                                      "rows_from_store": str(st.rows_from_store),
+                                      "held_rows_unchanged": str(unchanged),
+                                      "files_created_while_held": str(created_while_held),
+                                      "files_created": str(files.created), "files_reused": str(files.reused),
+                                      "again_rows_placed": str(res3.stats.rows_placed)})
 
 
 if __name__ == "__main__":

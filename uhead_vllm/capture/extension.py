@@ -250,13 +250,19 @@ class UheadCaptureExtension:
         rec.take()  # rows of requests made outside the generator
         if isinstance(destination, str):
             try:
-                destination = SharedDestination.from_json(destination).open()
+                destination = SharedDestination.from_json(destination).open(self._uhead_row_files())
             except FileNotFoundError:
                 return False  # another host: the rows come back with the fetch instead
         elif destination is not None and not isinstance(destination, RowDestination):
             raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
         rec.place_into(destination)
         return True
+
+    def _uhead_row_files(self) -> dict:
+        """This worker's mappings of the engine side's shared row files, by key (kept across calls)."""
+        if not hasattr(self, "_uhead_mapped_row_files"):
+            self._uhead_mapped_row_files = {}
+        return self._uhead_mapped_row_files
 
     def uhead_fetch_tags(self, tags: list[int], forget: bool = False) -> bytes | None:
         """Rows of ``tags`` only, as safetensors bytes (None on non-recording ranks); the rows of

@@ -241,7 +241,10 @@ class SharedDestination:
 
     The engine side creates the file (sparse: pages appear as the worker writes them) and maps it;
     this plain description crosses the process boundary as JSON and the worker maps the same
-    file, so rows reach the engine side without being serialised.
+    file, so rows reach the engine side without being serialised. The engine side hands a file
+    out again once nobody holds its rows (``generation/shared_rows.py``): the worker keeps its
+    mapping under ``key`` while the key is among ``keep``, so a reused file's pages are neither
+    mapped nor allocated again.
     """
 
     path: str
@@ -250,12 +253,16 @@ class SharedDestination:
     slots: dict[int, tuple[int, int]]
     file_id: tuple[int, int] = (0, 0)  # (device, inode) of the file: a worker on another host has none
     groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # see RowDestination
+    key: str = ""  # the file's own name for the worker's mapping ("": map it for this call only)
+    file_bytes: int = 0  # the file's size (0: just the buffer)
+    keep: tuple[str, ...] = ()  # keys of every file the engine side still maps
 
     def to_json(self) -> str:
         return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
                            "slots": {str(t): list(s) for t, s in self.slots.items()},
                            "file_id": list(self.file_id),
-                           "groups": [[limit, list(tags)] for limit, tags in self.groups]})
+                           "groups": [[limit, list(tags)] for limit, tags in self.groups],
+                           "key": self.key, "file_bytes": self.file_bytes, "keep": list(self.keep)})
 
     @classmethod
     def from_json(cls, text: str) -> "SharedDestination":
@@ -265,21 +272,39 @@ class SharedDestination:
         return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
                    tuple(int(x) for x in d.get("file_id", (0, 0))),
-                   [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())])
+                   [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())],
+                   str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())))
 
-    def open(self) -> RowDestination:
-        """Map the engine side's file as the destination buffer. Raises ``FileNotFoundError``
-        unless this is that very file (same device and inode): a worker on another host must
-        never write rows into a file of its own that the engine side cannot see."""
-        try:
-            st = os.stat(self.path)
-        except OSError as exc:
-            raise FileNotFoundError(f"shared row buffer {self.path} is not visible here") from exc
-        if (st.st_dev, st.st_ino) != tuple(self.file_id):
-            raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
+    @property
+    def nbytes(self) -> int:
         rows, layers, hidden = self.shape
-        buffer = torch.from_file(self.path, shared=True, size=rows * layers * hidden, dtype=_DTYPES[self.dtype])
-        return RowDestination(buffer.view(rows, layers, hidden), dict(self.slots), list(self.groups))
+        return rows * layers * hidden * _DTYPES[self.dtype].itemsize
+
+    def open(self, mapped: dict[str, torch.Tensor] | None = None) -> RowDestination:
+        """Map the engine side's file as the destination buffer; with ``mapped`` (the worker's
+        mappings by key, kept across calls) reuse this file's mapping and unmap the files the
+        engine side let go of. Raises ``FileNotFoundError`` unless this is that very file (same
+        device and inode): a worker on another host must never write rows into a file of its
+        own that the engine side cannot see."""
+        if mapped is not None:
+            for gone in set(mapped) - set(self.keep):
+                del mapped[gone]
+        flat = mapped.get(self.key) if mapped is not None and self.key else None
+        if flat is None:
+            try:
+                st = os.stat(self.path)
+            except OSError as exc:
+                raise FileNotFoundError(f"shared row buffer {self.path} is not visible here") from exc
+            if (st.st_dev, st.st_ino) != tuple(self.file_id):
+                raise FileNotFoundError(f"{self.path} here is not the engine side's shared row buffer")
+            flat = torch.from_file(self.path, shared=True, size=max(self.file_bytes, self.nbytes), dtype=torch.uint8)
+            if mapped is not None and self.key:
+                mapped[self.key] = flat
+        if flat.numel() < self.nbytes:
+            raise ValueError(f"shared row file {self.key or self.path} holds {flat.numel()} bytes, "
+                             f"the destination needs {self.nbytes}")
+        buffer = flat[: self.nbytes].view(_DTYPES[self.dtype]).view(self.shape)
+        return RowDestination(buffer, dict(self.slots), list(self.groups))
 
 
 def encode_rows(rows: CapturedRows) -> bytes:

@@ -3,9 +3,10 @@ model-runner level (``uhead_vllm.capture``); rows come back through ``collective
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-import tempfile
+import threading
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -23,6 +24,7 @@ from ...capture.protocol import (
 )
 from ...errors import InputError
 from ..host_memory import host_buffer
+from ..shared_rows import SharedRowFiles
 from .base import raise_if_engine_dead
 
 
@@ -53,33 +55,19 @@ def capture_engine_kwargs(
     }
 
 
-#: Where shared row buffers live (a RAM-backed file system on Linux).
-SHARED_MEMORY_DIR = "/dev/shm"
+#: Every engine's shared row files (:class:`SharedRowFiles`), shared by the generators on it.
+_ROW_FILES: "weakref.WeakKeyDictionary[Any, SharedRowFiles]" = weakref.WeakKeyDictionary()
+_ROW_FILES_GUARD = threading.Lock()
 
 
-def create_shared_destination(shape: tuple[int, int, int], dtype: str, slots: dict[int, tuple[int, int]],
-                              groups: list[tuple[int, tuple[int, ...]]] = (),
-                              ) -> tuple[SharedDestination, RowDestination] | None:
-    """A sparse shared-memory file of ``shape`` mapped here, or None when the file system lacks
-    room for all of it (a write past its room would kill the worker with SIGBUS)."""
-    rows, layers, hidden = shape
-    nbytes = rows * layers * hidden * CaptureSettings((0,), dtype).torch_dtype.itemsize
-    try:
-        room = os.statvfs(SHARED_MEMORY_DIR)
-    except OSError:
-        return None
-    if nbytes == 0 or room.f_bavail * room.f_frsize < nbytes:
-        return None
-    fd, path = tempfile.mkstemp(dir=SHARED_MEMORY_DIR, prefix="uhead-rows-")
-    st = os.fstat(fd)
-    os.close(fd)
-    spec = SharedDestination(path, shape, dtype, slots, (st.st_dev, st.st_ino), list(groups))
-    try:
-        with torch.inference_mode(False):  # the row store relies on the buffer's version counter
-            return spec, spec.open()
-    except Exception:
-        os.unlink(path)
-        raise
+def shared_row_files(llm: Any) -> SharedRowFiles:
+    """The shared row files of ``llm``: one set per engine, so that the worker's mappings of the
+    files (kept under their keys) serve every generator on it."""
+    with _ROW_FILES_GUARD:
+        files = _ROW_FILES.get(llm)
+        if files is None:
+            files = _ROW_FILES[llm] = SharedRowFiles()
+        return files
 
 
 class AuxClient:
@@ -119,15 +107,21 @@ class AuxClient:
             destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(groups))
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return destination if placed else None
-        shared = create_shared_destination(shape, dtype, slots, groups)
-        if shared is None:
+        files = shared_row_files(self.llm)
+        spec = SharedDestination("", shape, dtype, slots, groups=list(groups))
+        taken = files.take(spec.nbytes)
+        if taken is None:  # no room in shared memory: the rows come back with the fetch
             self.fetch()
             return None
-        spec, destination = shared
+        row_file, flat = taken
+        spec = dataclasses.replace(spec, path=row_file.path, file_id=row_file.file_id, key=row_file.key,
+                                   file_bytes=row_file.nbytes, keep=tuple(files.keys()))
+        with torch.inference_mode(False):  # the row store relies on the buffer's version counter
+            destination = RowDestination(flat.view(self.settings.torch_dtype).view(shape), slots, list(groups))
         try:
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(spec.to_json(),)))
         finally:
-            os.unlink(spec.path)  # both sides hold their mappings; the memory goes with the last one
+            files.unname(row_file)  # both sides hold their mappings; the memory goes with the last one
         return destination if placed else None
 
     def fetch(self) -> CapturedRows:
