@@ -12,7 +12,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,13 +25,6 @@ from .protocol import RowDestination
 SHARED_WRITES_PER_COPY = 8192
 #: Most queued steps the placer thread takes on one wake-up.
 MAX_STEPS_PER_WAKE = 32
-#: A write of at least this many bytes is split over PLACE_THREADS threads. Placing is bound by
-#: first touches of fresh pages (with vLLM's engine process the destination is shared memory, which
-#: the lent H100 hosts back with 4 KiB pages only: each is allocated and zeroed on first write),
-#: and faults on distinct pages proceed in parallel: two threads wrote 1 GB of 24 KB rows into
-#: /dev/shm in 0.42-0.45 s instead of 0.56-0.73 s on a 2-core machine (docs/gpu.md, session 13).
-PARALLEL_BYTES = 4 << 20
-PLACE_THREADS = 4
 
 
 @dataclass
@@ -47,16 +39,14 @@ class ChunkSlots:
     group_row: np.ndarray | None = None  # [C]
 
 
-def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots,
-               pool: ThreadPoolExecutor | None = None) -> None:
+def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
     """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within
     capacity), and prompt rows also to the slots that share them (below each one's limit).
 
-    The index is numpy arithmetic on a few hundred integers; the copy is numpy fancy-index
-    assignment of byte rows, which runs without the GIL (large ones split over ``pool``). So the
-    placer thread takes the GIL a few times per step and never competes with the engine's Python
-    loop for long (torch's ``index_copy_`` here was 3-4x slower and took several GIL round trips
-    per step).
+    The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
+    assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
+    per step and never competes with the engine's Python loop for long (torch's ``index_copy_``
+    here was 3-4x slower and took several GIL round trips per step).
     """
     pos = positions.numpy()
     first = np.repeat(chunks.first, chunks.lens)
@@ -64,30 +54,15 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
     inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
     rows = _byte_rows(hidden.to(dest.buffer.dtype))
     if inside.all():
-        _write(dest, index, rows, pool)
-    else:
-        _write(dest, index[inside], rows[inside], pool)
-    if chunks.group_row is not None:
-        _place_shared(dest, rows, pos, np.repeat(chunks.group_row, chunks.lens), inside, pool)
-
-
-def _write(dest: RowDestination, index: np.ndarray, rows: np.ndarray, pool: ThreadPoolExecutor | None) -> None:
-    """``dest.byte_rows[index] = rows``, a large one in PLACE_THREADS parts at once. A step's own
-    rows have distinct targets (one request per slot, distinct positions); where shared prompt
-    rows meet in one target, every one of them is the same computation or none counts (see
-    ``prefix_groups.credited_shared_rows``), so the order of the parts does not matter."""
-    if pool is None or rows.nbytes < PARALLEL_BYTES or len(index) < 2 * PLACE_THREADS:
         dest.byte_rows[index] = rows
-        return
-    bounds = np.linspace(0, len(index), PLACE_THREADS + 1).astype(np.int64).tolist()
-    parts = [pool.submit(dest.byte_rows.__setitem__, index[a:b], rows[a:b]) for a, b in zip(bounds, bounds[1:])]
-    failed = [error for error in (part.exception() for part in parts) if error is not None]  # waits for all
-    if failed:
-        raise failed[0]
+    else:
+        dest.byte_rows[index[inside]] = rows[inside]
+    if chunks.group_row is not None:
+        _place_shared(dest, rows, pos, np.repeat(chunks.group_row, chunks.lens), inside)
 
 
 def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, k: np.ndarray,
-                  inside: np.ndarray, pool: ThreadPoolExecutor | None = None) -> None:
+                  inside: np.ndarray) -> None:
     """Prompt rows into the slots of the other members of the largest group whose limit is above
     the row's position (for two members that is the deepest group they share: the groups nest)."""
     shared = np.flatnonzero(inside & (pos < dest.reach[k]))
@@ -104,7 +79,7 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, k: np
     to, src = dest.member_first[member[other]] + pos[src[other]], src[other]
     for a in range(0, len(src), SHARED_WRITES_PER_COPY):  # a shared block fans out to every member:
         b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
-        _write(dest, to[a:b], rows[src[a:b]], pool)
+        dest.byte_rows[to[a:b]] = rows[src[a:b]]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -118,7 +93,6 @@ class Placer:
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None  # writers of large steps, beside the thread
         self._error: str | None = None
         self._seconds = 0.0
 
@@ -131,7 +105,6 @@ class Placer:
             self._place([item])
             return
         if self._thread is None:
-            self._pool = ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="uhead-row-writer")
             self._thread = threading.Thread(target=self._run, name="uhead-row-placer", daemon=True)
             self._thread.start()
         self._queue.put(item)
@@ -176,7 +149,7 @@ class Placer:
                 if waited is not None:
                     raise waited
                 start = time.perf_counter()
-                place_step(dest, hidden, positions, chunks, self._pool)
+                place_step(dest, hidden, positions, chunks)
                 self._seconds += time.perf_counter() - start
             except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
                 if self._error is None:

@@ -53,7 +53,9 @@ class SharedRowFiles:
         self.directory = directory
         self.keep_idle = keep_idle
         self._files: list[RowFile] = []
-        self._lock = threading.Lock()  # finalizers may run in any thread
+        # Finalizers may run in any thread, and in this one while it holds the lock (a garbage
+        # collection inside take): reentrant.
+        self._lock = threading.RLock()
         self.created = 0
         self.reused = 0
 
