@@ -368,3 +368,21 @@ def test_the_placer_thread_writes_a_large_step_as_place_step_does():
     gate.opened.set()
     assert placer.drain()[0] is None
     assert torch.equal(dest.buffer, expected_dest.buffer) and bool(dest.buffer.abs().sum(-1).gt(0).sum() == 64 * 32)
+
+
+def test_shared_row_files_refuse_a_file_the_file_system_has_no_room_for_but_reuse_an_idle_one(tmp_path, monkeypatch):
+    from uhead_vllm.generation import shared_rows
+    from uhead_vllm.generation.shared_rows import SharedRowFiles
+
+    files = SharedRowFiles(directory=str(tmp_path))
+    row_file, flat = files.take(4096)
+    files.unname(row_file)
+    del flat
+    gc.collect()
+    real = os.statvfs(tmp_path)
+    monkeypatch.setattr(shared_rows.os, "statvfs", lambda path: os.statvfs_result(
+        (real.f_bsize, real.f_frsize, real.f_blocks, 0, 0) + tuple(real)[5:]))  # no free blocks left
+    assert files.take(8192) is None  # a write past the room would kill the worker with SIGBUS
+    again = files.take(2048)  # the idle file needs no new room
+    assert again is not None and again[0] is row_file and again[1].numel() == 2048
+    assert files.created == 1 and files.reused == 1 and not list(tmp_path.iterdir())

@@ -163,7 +163,8 @@ class RowDestination:
     Each request tag owns ``slots[tag] = (first row, capacity)`` of ``buffer`` and its row at
     position p goes to ``buffer[first + p]`` (positions at or past the capacity are not written).
     The caller allocates the buffer for the longest each sequence can get (prompt + max_tokens):
-    pages never written are never touched, so the unused tail costs address space, not memory.
+    pages never written are never touched, so the unused tail costs address space, not memory
+    (a shared file handed out again keeps the pages earlier calls touched).
     Rows then reach their final place while the engine still generates, instead of in one copy
     after it; the metadata (:class:`CapturedRows` with ``placed=True``) still comes back through
     fetch, so every row is still checked against the sequence's token before it is used.
