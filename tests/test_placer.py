@@ -225,8 +225,9 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     theirs3.buffer[4] = 3.0
     assert bool((mine3.buffer[4] == 3.0).all()) and mine3.buffer.shape == (5, 2, 3)
     assert files.idle_bytes() == 0
-    too_small = dataclasses.replace(spec3, shape=(7, 2, 3), slots={3: (0, 7)})
-    with pytest.raises(ValueError, match="holds 72 bytes, the destination needs 84"):
+    assert first.nbytes == 128  # 72 bytes asked: files are sized to a power of two
+    too_small = dataclasses.replace(spec3, shape=(12, 2, 3), slots={3: (0, 12)})
+    with pytest.raises(ValueError, match="holds 128 bytes, the destination needs 144"):
         too_small.open(mapped)
     del mine3, theirs3
     gc.collect()
@@ -370,7 +371,7 @@ def test_the_placer_thread_writes_a_large_step_as_place_step_does():
     assert torch.equal(dest.buffer, expected_dest.buffer) and bool(dest.buffer.abs().sum(-1).gt(0).sum() == 64 * 32)
 
 
-def test_shared_row_files_refuse_a_file_the_file_system_has_no_room_for_but_reuse_an_idle_one(tmp_path, monkeypatch):
+def test_shared_row_files_refuse_rows_the_file_system_has_no_room_for(tmp_path, monkeypatch):
     from uhead_vllm.generation import shared_rows
     from uhead_vllm.generation.shared_rows import SharedRowFiles
 
@@ -380,9 +381,10 @@ def test_shared_row_files_refuse_a_file_the_file_system_has_no_room_for_but_reus
     del flat
     gc.collect()
     real = os.statvfs(tmp_path)
+    free = max(1, 4096 // real.f_frsize)  # 4 KiB left
     monkeypatch.setattr(shared_rows.os, "statvfs", lambda path: os.statvfs_result(
-        (real.f_bsize, real.f_frsize, real.f_blocks, 0, 0) + tuple(real)[5:]))  # no free blocks left
+        (real.f_bsize, real.f_frsize, real.f_blocks, free, free) + tuple(real)[5:]))
     assert files.take(8192) is None  # a write past the room would kill the worker with SIGBUS
-    again = files.take(2048)  # the idle file needs no new room
+    again = files.take(2048)
     assert again is not None and again[0] is row_file and again[1].numel() == 2048
     assert files.created == 1 and files.reused == 1 and not list(tmp_path.iterdir())

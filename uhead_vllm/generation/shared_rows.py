@@ -61,8 +61,11 @@ class SharedRowFiles:
 
     def take(self, nbytes: int) -> tuple[RowFile, torch.Tensor] | None:
         """A file of at least ``nbytes`` and a uint8 tensor of its first ``nbytes``: the smallest
-        idle one that is large enough, else a new one; None when the file system lacks room
-        for a new one (a write past its room would kill the worker with SIGBUS)."""
+        idle one that is large enough, else a new one; None when the file system lacks room for
+        ``nbytes`` (a write past its room would kill the worker with SIGBUS; a reused file's
+        pages may not cover the rows of this call, so the check does not count them)."""
+        if not self._has_room(nbytes):
+            return None
         with self._lock:
             self._unmap_surplus()
             fits = [f for f in self._files if not f.in_use and f.nbytes >= nbytes]
@@ -72,8 +75,6 @@ class SharedRowFiles:
                 self.reused += 1
         if chosen is None:
             chosen = self._create(nbytes)
-            if chosen is None:
-                return None
         array = np.frombuffer(chosen.memory, dtype=np.uint8, count=nbytes)
         weakref.finalize(array, self._release, chosen)
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
@@ -105,24 +106,29 @@ class SharedRowFiles:
             self._unmap_surplus()
             self.keep_idle = keep
 
-    def _create(self, nbytes: int) -> RowFile | None:
+    def _has_room(self, nbytes: int) -> bool:
         try:
             room = os.statvfs(self.directory)
         except OSError:
-            return None
-        if nbytes <= 0 or room.f_bavail * room.f_frsize < nbytes:
-            return None
+            return False
+        return 0 < nbytes <= room.f_bavail * room.f_frsize
+
+    def _create(self, nbytes: int) -> RowFile:
+        """A new file sized to the power of two at or above ``nbytes``: a multi-step loop whose
+        calls grow a little each step finds its idle file still large enough. Sparse, so the
+        size beyond the rows written costs address space only."""
+        size = 1 << (nbytes - 1).bit_length()
         fd, path = tempfile.mkstemp(dir=self.directory, prefix="uhead-rows-")
         try:
-            os.ftruncate(fd, nbytes)  # sparse: pages appear as the worker writes them
-            memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            os.ftruncate(fd, size)  # sparse: pages appear as the worker writes them
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             st = os.fstat(fd)
         except Exception:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        row_file = RowFile(secrets.token_hex(8), path, (st.st_dev, st.st_ino), nbytes, memory)
+        row_file = RowFile(secrets.token_hex(8), path, (st.st_dev, st.st_ino), size, memory)
         with self._lock:
             self._files.append(row_file)
             self.created += 1
