@@ -4,6 +4,7 @@
 #   bash experiments/gpu/device_run.sh pytest                    # tests/gpu, parity files as one tgz
 #   bash experiments/gpu/device_run.sh bench SHAPE [bench args]  # SHAPE: smollm2 | llama8b
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh bench ...  # vLLM's default separate engine process
+#   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh pytest     # the GPU tests that way (rows via shared memory)
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh ablate SHAPE  # capture's cost inside generate, split
 # The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
 # UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
