@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import threading
 
@@ -168,11 +169,10 @@ def _shared(files, shape, slots, groups=()):
     """What AuxClient.place_into does: a file from ``files``, its spec, and the engine side's view."""
     from uhead_vllm.capture.protocol import SharedDestination
 
-    spec = SharedDestination("", shape, "bfloat16", slots, groups=list(groups))
-    row_file, flat = files.take(spec.nbytes)
-    spec = dataclasses.replace(spec, path=row_file.path, file_id=row_file.file_id, key=row_file.key,
-                               file_bytes=row_file.nbytes, keep=tuple(files.keys()))
-    return row_file, spec, RowDestination(flat.view(torch.bfloat16).view(shape), slots, list(groups))
+    row_file, flat = files.take(math.prod(shape) * 2)  # bfloat16
+    spec = SharedDestination(row_file.path, shape, "bfloat16", slots, row_file.file_id, list(groups),
+                             row_file.key, row_file.nbytes, tuple(files.keys()))
+    return row_file, spec, spec.on(flat)
 
 
 def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp_path):

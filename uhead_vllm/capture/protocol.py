@@ -301,6 +301,10 @@ class SharedDestination:
             flat = torch.from_file(self.path, shared=True, size=max(self.file_bytes, self.nbytes), dtype=torch.uint8)
             if mapped is not None and self.key:
                 mapped[self.key] = flat
+        return self.on(flat)
+
+    def on(self, flat: torch.Tensor) -> RowDestination:
+        """The destination over ``flat``, a uint8 mapping of the file (either side's)."""
         if flat.numel() < self.nbytes:
             raise ValueError(f"shared row file {self.key or self.path} holds {flat.numel()} bytes, "
                              f"the destination needs {self.nbytes}")

@@ -67,7 +67,7 @@ class SharedRowFiles:
         if not self._has_room(nbytes):
             return None
         with self._lock:
-            self._unmap_surplus()
+            self._unmap_surplus(self.keep_idle)
             fits = [f for f in self._files if not f.in_use and f.nbytes >= nbytes]
             chosen = min(fits, key=lambda f: f.nbytes) if fits else None
             if chosen is not None:
@@ -102,9 +102,7 @@ class SharedRowFiles:
     def close(self) -> None:
         """Unmap every idle file now; files in use go when their last tensor does."""
         with self._lock:
-            keep, self.keep_idle = self.keep_idle, 0
-            self._unmap_surplus()
-            self.keep_idle = keep
+            self._unmap_surplus(keep=0)
 
     def _has_room(self, nbytes: int) -> bool:
         try:
@@ -138,10 +136,10 @@ class SharedRowFiles:
         with self._lock:
             row_file.in_use = False
 
-    def _unmap_surplus(self) -> None:
-        """Keep the ``keep_idle`` largest idle files; unmap the others (lock held)."""
+    def _unmap_surplus(self, keep: int) -> None:
+        """Keep the ``keep`` largest idle files; unmap the others (lock held)."""
         idle = sorted((f for f in self._files if not f.in_use), key=lambda f: f.nbytes, reverse=True)
-        for f in idle[self.keep_idle :]:
+        for f in idle[keep:]:
             try:
                 f.memory.close()
             except BufferError:  # a view is still being torn down: next time

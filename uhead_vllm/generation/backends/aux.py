@@ -3,8 +3,8 @@ model-runner level (``uhead_vllm.capture``); rows come back through ``collective
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import math
 import threading
 import weakref
 from typing import Any, Iterable
@@ -108,16 +108,15 @@ class AuxClient:
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return destination if placed else None
         files = shared_row_files(self.llm)
-        spec = SharedDestination("", shape, dtype, slots, groups=list(groups))
-        taken = files.take(spec.nbytes)
+        taken = files.take(math.prod(shape) * self.settings.torch_dtype.itemsize)
         if taken is None:  # no room in shared memory: the rows come back with the fetch
             self.fetch()
             return None
         row_file, flat = taken
-        spec = dataclasses.replace(spec, path=row_file.path, file_id=row_file.file_id, key=row_file.key,
-                                   file_bytes=row_file.nbytes, keep=tuple(files.keys()))
+        spec = SharedDestination(row_file.path, shape, dtype, slots, row_file.file_id, list(groups),
+                                 row_file.key, row_file.nbytes, tuple(files.keys()))
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
-            destination = RowDestination(flat.view(self.settings.torch_dtype).view(shape), slots, list(groups))
+            destination = spec.on(flat)
         try:
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(spec.to_json(),)))
         finally:
