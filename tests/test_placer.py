@@ -388,3 +388,51 @@ def test_shared_row_files_refuse_rows_the_file_system_has_no_room_for(tmp_path, 
     again = files.take(2048)
     assert again is not None and again[0] is row_file and again[1].numel() == 2048
     assert files.created == 1 and files.reused == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch, model_dtype):
+    """The recorder's batched route (rows of several steps gathered in one buffer, flushed every
+    few steps or when full, a prefill larger than the buffer copied on its own in between) puts
+    every tagged row at its slot and keeps metadata in recording order; an untagged request
+    between tagged ones splits a step into two runs."""
+    from uhead_vllm.adapters import ScheduledStep, StepOutputs
+    from uhead_vllm.capture import step_batch
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.recorder import RowRecorder
+
+    monkeypatch.setattr(step_batch, "BUFFER_BYTES", 8 * 2 * 4 * 2)  # 8 rows of 2 columns x 4 bf16
+    monkeypatch.setattr(step_batch, "MAX_STEPS", 3)
+    layers, hidden, prompt, decode = (0, 2), 4, 5, 10
+    rec = RowRecorder(CaptureSettings(layers=layers, dtype="bfloat16"), aux_layers=(0, 1, 2), hidden_size=hidden)
+    capacity = prompt + decode
+    dest = RowDestination(torch.full((3 * capacity, 2, hidden), -1.0, dtype=torch.bfloat16),
+                          {t: (t * capacity, capacity) for t in range(3)})
+    rec.place_into(dest)
+    req_ids = ["a", "x", "b", "c"]  # "x" is not captured
+    tags = {"a": 0, "b": 1, "c": 2}
+
+    def value(layer: int, req: int, pos: int) -> float:
+        return layer * 100 + req * 20 + pos + 0.5
+
+    for step in range(decode + 1):
+        new = [(r, RequestTag(tags[r], 0).to_extra_args() if r in tags else None) for r in req_ids] if not step else []
+        n = prompt if not step else 1
+        rec.on_schedule(ScheduledStep(new, {r: n for r in req_ids}, set()))
+        start = 0 if not step else prompt + step - 1
+        pos = torch.arange(start, start + n).repeat(len(req_ids))
+        req = torch.arange(len(req_ids)).repeat_interleave(n)
+        aux = [torch.stack([torch.full((hidden,), value(j, int(q), int(p))) for q, p in zip(req, pos)]).to(model_dtype)
+               for j in range(3)]
+        ids = (pos + 1000 * req).to(torch.int32)
+        rec.on_forward(StepOutputs(req_ids, np.arange(len(req_ids) + 1, dtype=np.int32) * n, pos, ids, aux))
+    rows = rec.take()
+    assert rows.error is None and rows.placed and rows.num_rows == 3 * (prompt + decode)
+    assert rec.rows_recorded == 0 and rec.steps == []  # taken: afresh
+    for r, t in tags.items():
+        q = req_ids.index(r)
+        want = torch.tensor([[[value(j, q, p)] * hidden for j in layers] for p in range(capacity)]).to(model_dtype)
+        assert torch.equal(dest.buffer[t * capacity : (t + 1) * capacity], want.to(torch.bfloat16)), r
+        mine = rows.tags == t
+        assert rows.positions[mine].tolist() == list(range(capacity))  # recording order kept
+        assert rows.token_ids[mine].tolist() == [p + 1000 * q for p in range(capacity)]

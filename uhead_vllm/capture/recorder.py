@@ -26,6 +26,7 @@ import torch
 from ..adapters import ScheduledStep, StepOutputs
 from .placer import ChunkSlots, Placer
 from .staging import PinnedArena, PinnedRing
+from .step_batch import StepBatcher
 from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
 
 
@@ -34,6 +35,7 @@ from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination,
 STAGING_BYTES = 256 << 20
 #: Pinned memory per chunk for the metadata steps keep until the take (16 bytes per row).
 METADATA_CHUNK_BYTES = 4 << 20
+_UNKNOWN = object()  # a request id the recorder never saw
 
 
 @dataclass
@@ -82,6 +84,7 @@ class RowRecorder:
     rows_recorded: int = 0
     scheduled_rows: int = 0  # tagged rows scheduled in the step that is running now
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
+    _untagged: int = 0  # live requests in ``_tags`` without a tag
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
     _copied: object = None  # CUDA event after the last device-to-host copy
     _copy_stream: object = None  # CUDA stream of the device-to-host copies
@@ -89,6 +92,7 @@ class RowRecorder:
     record_seconds: float = 0.0  # host time the engine's thread spent in the recorder (this generation)
     destination: RowDestination | None = None  # rows go here during the generation
     _placer: Placer = field(default_factory=Placer)
+    _batcher: StepBatcher | None = None  # placed steps' rows on their way to the host, a batch at a time
     _staging: PinnedRing | None = None  # pinned memory for steps on their way to the placer (GPU)
     _arena: PinnedArena | None = None  # pinned memory for the metadata of placed steps (GPU)
 
@@ -108,13 +112,18 @@ class RowRecorder:
         if step.new_requests or step.finished_req_ids:
             self._batch = None
         for rid in step.finished_req_ids:
-            tag = self._tags.pop(rid, None)
-            if tag is not None and self._owner.get((tag.tag, tag.sample)) == rid:
+            tag = self._tags.pop(rid, _UNKNOWN)
+            if tag is None:
+                self._untagged -= 1
+            elif tag is not _UNKNOWN and self._owner.get((tag.tag, tag.sample)) == rid:
                 del self._owner[(tag.tag, tag.sample)]
         for rid, extra_args in step.new_requests:
             self._register(rid, extra_args)
-        tags = self._tags
-        rows = sum(n for rid, n in step.num_scheduled_tokens.items() if tags.get(rid) is not None)
+        tags, scheduled = self._tags, step.num_scheduled_tokens
+        if not self._untagged and scheduled.keys() <= tags.keys():
+            rows = sum(scheduled.values())  # every request is captured: no lookup per request
+        else:
+            rows = sum(n for rid, n in scheduled.items() if tags.get(rid) is not None)
         self.scheduled_rows = rows
         if rows:
             self.forwards_expected += 1
@@ -122,8 +131,11 @@ class RowRecorder:
 
     def _register(self, req_id: str, extra_args: dict | None) -> None:
         tag = RequestTag.from_extra_args(extra_args)
+        if self._tags.get(req_id, _UNKNOWN) is None:
+            self._untagged -= 1  # registered again (a request id reused)
         self._tags[req_id] = tag
         if tag is None:
+            self._untagged += 1
             return
         key = (tag.tag, tag.sample)
         other = self._owner.get(key)
@@ -181,22 +193,28 @@ class RowRecorder:
             )
             self.steps.clear()
             self.bytes_held = 0
+            if self._batcher is not None:
+                self._batcher.discard()
             return
         picked = [source[j] for j in self._select] + list(points or ())
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
-        hidden_parts, meta_parts = [], []
-        for a, b in _runs(starts, ends):
-            hidden_parts.append(torch.stack([h[a:b] for h in picked], dim=1))
-            meta_parts.append(torch.stack([positions[a:b].to(torch.int64), step.input_ids[a:b].to(torch.int64)]))
-        hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
-        meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
-        on_device = hidden.device.type == "cuda"
-        hidden, meta, release = self._to_host(hidden, meta)
+        runs = _runs(starts, ends)
         tags = batch.tags[scheduled]
         if self.destination is not None:
-            self._placer.submit(self._copied if on_device else None, self.destination, hidden, meta[0],
-                                batch.chunk_slots(scheduled, lens), release)
-            hidden, new_bytes = None, 0
+            if self._batcher is None:
+                self._batcher = StepBatcher(self.settings.num_columns, self.hidden_size, dtype,
+                                            self._to_host, self._submit)
+            facts = (tags, batch.samples[scheduled], lens, batch.chunk_slots(scheduled, lens))
+            if self._batcher.fits(n_rows):
+                self._batcher.add(facts, picked, positions, step.input_ids, runs, n_rows)
+            else:  # larger than a batch buffer (a long prefill): copied on its own, after the batch
+                self._batcher.flush()
+                self._submit(facts, *self._to_host(*_gathered(picked, positions, step.input_ids, runs, dtype)))
+            self.forwards_recorded += 1
+            self.rows_recorded += n_rows
+            return
+        hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
+        hidden, meta, _, _ = self._to_host(hidden, meta)
         self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
         self.bytes_held += new_bytes
         self.forwards_recorded += 1
@@ -223,15 +241,23 @@ class RowRecorder:
             group_row=group_row)
         return self._batch
 
+    def _submit(self, facts: tuple, hidden: torch.Tensor, meta: torch.Tensor, ready: object,
+                release: Callable[[], None] | None) -> None:
+        """Hand a step's host rows to the placer (they go to the destination once ``ready``) and
+        keep its metadata until the take."""
+        tags, samples, lens, slots = facts
+        self._placer.submit(ready, self.destination, hidden, meta[0], slots, release)
+        self.steps.append(_Step(tags, samples, lens, None, meta))
+
     def _to_host(self, hidden: torch.Tensor, meta: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:
         """Host copies of a step's freshly gathered rows and metadata; on a GPU asynchronous into
         pinned memory, on a stream of its own (one wait, one event for both), so the next step's
         forward never queues behind the copies. With a destination the rows go through the
         placer's ring (the third value frees their region once placed; None: nothing to free)
         and the metadata, kept until the take, into the arena (see staging.py)."""
         if hidden.device.type != "cuda":
-            return hidden, meta, None  # already new tensors (stack/cat copies), never engine buffers
+            return hidden, meta, None, None  # already new tensors (stack/cat copies), never engine buffers
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=hidden.device)
         stream = self._copy_stream
@@ -264,7 +290,7 @@ class RowRecorder:
         finally:
             torch.cuda.set_stream(main)
         self._copied = event
-        return host_hidden, host_meta, release
+        return host_hidden, host_meta, event, release
 
     # ------------------------------------------------------------------ fetch
     def place_into(self, destination: RowDestination | None) -> None:
@@ -276,6 +302,8 @@ class RowRecorder:
 
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""
+        if self._batcher is not None:
+            self._batcher.flush()
         placing_error, place_seconds = self._placer.drain()
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
@@ -315,6 +343,7 @@ class RowRecorder:
             for rid, tag in list(self._tags.items()):
                 if tag is not None and tag.tag in set(wanted.tolist()):
                     self._tags[rid] = None
+                    self._untagged += 1
             self._batch = None
         taken: list[_Step] = []
         kept: list[_Step] = []
@@ -358,6 +387,19 @@ class RowRecorder:
             token_ids=meta[1].contiguous(),
             chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
         )
+
+
+def _gathered(picked: list[torch.Tensor], positions: torch.Tensor, input_ids: torch.Tensor,
+              runs: list[tuple[int, int]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tensors of the runs' rows [R, C, H] (in ``dtype``) and metadata [2, R] (positions,
+    token ids): never views of the engine's buffers, which the next forward overwrites."""
+    hidden_parts, meta_parts = [], []
+    for a, b in runs:
+        hidden_parts.append(torch.stack([h[a:b] for h in picked], dim=1))
+        meta_parts.append(torch.stack([positions[a:b].to(torch.int64), input_ids[a:b].to(torch.int64)]))
+    hidden = (hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)).to(dtype)
+    meta = meta_parts[0] if len(meta_parts) == 1 else torch.cat(meta_parts, dim=1)
+    return hidden, meta
 
 
 def _runs(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
