@@ -19,9 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-#: Device memory per buffer (two on a GPU): 36 decode steps of 256 requests x 3 layers of SmolLM2's
-#: shape in bf16, 5 of an 8B model's. Larger steps (prefills) bypass the buffers.
-BUFFER_BYTES = 32 << 20
+#: Device memory per buffer (two on a GPU): 18 decode steps of 256 requests x 3 layers of SmolLM2's
+#: shape in bf16, 2 of an 8B model's (larger batches took the pinned staging ring's room faster than
+#: the placer freed it: 8 ms pinned allocations instead, bench_recorder). Larger steps go alone.
+BUFFER_BYTES = 16 << 20
 #: Steps per batch at most: bounds how far the placer runs behind the engine.
 MAX_STEPS = 16
 
