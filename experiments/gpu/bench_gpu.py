@@ -135,6 +135,8 @@ def paired_child(model: str, shape: str, n_layers: int) -> dict[str, Any]:
         wl = Workload(b, N, MAX_TOKENS)
         seconds: dict[str, list[float]] = {name: [] for name in runners}
         extra: dict[str, Any] = {}
+        for runner in runners.values():  # one full-length untimed run each: the first ones ran 20-40%
+            runner.run(wl)                # slower for both (allocator, page cache), session 15
         for _ in range(PAIRED_REPS):
             for name, runner in runners.items():
                 r = runner.run(wl)
@@ -159,7 +161,7 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
              f"Plain vLLM with CUDA graphs and capture with CUDA graphs (layers {res['layers']}, bf16 rows) built "
              f"side by side, each with vLLM's default engine-core process and Model Runner V2; their runs "
-             f"alternate, {PAIRED_REPS} of each per batch size. Capture's time includes the rows' fetch and "
+             f"alternate, {PAIRED_REPS} of each per batch size after one untimed run of each. Capture's time includes the rows' fetch and "
              "assembly into per-sample tensors.", "",
              "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) | pairs: min-max |",
              "|---|---|---|---|---|---|"]

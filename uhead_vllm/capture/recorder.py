@@ -1,12 +1,13 @@
 """Per-step recording of tagged requests' rows, inside the worker.
 
 The runner adapter hands the recorder each step's schedule (which requests are new, how many
-tokens each gets) and, after the forward, the step's outputs. Per step the recorder does one
-gather on the device (a slice per contiguous run of tagged requests, usually one) and one
-asynchronous device-to-host copy into pinned memory; nothing on the hot path waits for the device.
-``take`` waits once, then assembles all steps into one :class:`CapturedRows`. When the engine side
-gave a :class:`RowDestination` (its own tensor in this process, or a shared-memory file), the rows
-go straight there during the generation (see placer.py) and only their metadata is kept.
+tokens each gets) and, after the forward, the step's outputs. Per step the recorder gathers the
+tagged rows on the device (a slice per contiguous run of tagged requests, usually one); nothing on
+the hot path waits for the device. When the engine side gave a :class:`RowDestination` (its own
+tensor in this process, or a shared-memory file), steps collect in a device buffer and go to
+pinned memory a batch at a time (step_batch.py), then straight into the destination during the
+generation (placer.py); only their metadata is kept. Without one, each step is copied to pinned
+memory asynchronously and kept. ``take`` waits once and assembles one :class:`CapturedRows`.
 
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
 forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the
@@ -30,8 +31,10 @@ from .step_batch import StepBatcher
 from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
 
 
-#: Pinned staging memory for steps the placer consumes (larger steps allocate their own): 40 decode
-#: steps of 256 requests x 3 layers of an 8B model in bf16, so a placer a few steps behind is no cost.
+#: Pinned staging memory for steps the placer consumes: 40 decode steps of 256 requests x 3 layers
+#: of an 8B model in bf16, so a placer a few steps behind is no cost. A step larger than a quarter
+#: of it (a long prefill) gets pinned memory of its own: in the ring it left the following decode
+#: steps no room until placed, and each of them then paid a 7 ms pinned allocation (bench_recorder).
 STAGING_BYTES = 256 << 20
 #: Pinned memory per chunk for the metadata steps keep until the take (16 bytes per row).
 METADATA_CHUNK_BYTES = 4 << 20
@@ -267,14 +270,15 @@ class RowRecorder:
         if self.destination is not None:
             if self._staging is None:
                 self._staging, self._arena = PinnedRing(STAGING_BYTES), PinnedArena(METADATA_CHUNK_BYTES)
-            staged = self._staging.host_copy(hidden)
+            if hidden.numel() * hidden.element_size() <= STAGING_BYTES // 4:
+                staged = self._staging.host_copy(hidden)
             host_meta = self._arena.host_copy(meta)
         else:  # rows and metadata kept until fetched, in memory of their own
             host_meta = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
         if staged is not None:
             host_hidden, end = staged
             release = functools.partial(self._staging.release, end)
-        else:  # no destination, or a step larger than the ring's free room
+        else:  # no destination, a step too large for the ring, or no room in it
             host_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
         # torch.cuda.stream(...) looks the device and both streams up again (~40 us a step at 256
         # requests on an H100 host, bench_recorder): switch by hand, as vLLM's own copies do.
