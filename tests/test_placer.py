@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from uhead_vllm.capture.placer import ChunkSlots, Placer
+from uhead_vllm.capture.placer import ChunkSlots, Placer, place_step
 from uhead_vllm.capture.protocol import RowDestination
 
 
@@ -48,6 +48,14 @@ def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
     assert torch.equal(dest.buffer[0], prefill[0]) and torch.equal(dest.buffer[1], redo[0])
     assert torch.equal(dest.buffer[2], prefill[2])
     assert torch.equal(dest.buffer[4:6], prefill[3:5]) and bool((dest.buffer[6:] == -1).all())
+
+
+def test_in_one_placed_batch_the_last_row_for_a_place_wins_and_rows_of_unknown_tags_never_count():
+    dest = RowDestination(torch.full((6, 1, 1), -1.0), {7: (0, 3), 8: (3, 3)})
+    rows = torch.arange(6, dtype=torch.float32).view(6, 1, 1)
+    # steps joined: tag 7 at 0, 1; an unknown tag (first -1) at 2 -> index 1; tag 7 at 1 again; tag 8 at 0, 0
+    place_step(dest, rows, torch.tensor([0, 1, 2, 1, 0, 0]), slots([0, -1, 0, 3], [3, 0, 3, 3], [2, 1, 1, 2]))
+    assert dest.buffer.flatten().tolist() == [0.0, 3.0, -1.0, 5.0, -1.0, -1.0]
 
 
 def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():

@@ -109,7 +109,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
     return result
 
 
-def paired_child(model: str, shape: str, n_layers: int) -> dict[str, Any]:
+def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
@@ -130,14 +130,14 @@ def paired_child(model: str, shape: str, n_layers: int) -> dict[str, Any]:
     for runner in runners.values():
         runner.warmup(big)
     freeze_startup_heap()
-    result: dict[str, Any] = {"name": "paired", "layers": list(layers), "batches": {}}
+    result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {}}
     for b in BATCHES:
         wl = Workload(b, N, MAX_TOKENS)
         seconds: dict[str, list[float]] = {name: [] for name in runners}
         extra: dict[str, Any] = {}
         for runner in runners.values():  # one full-length untimed run each: the first ones ran 20-40%
             runner.run(wl)                # slower for both (allocator, page cache), session 15
-        for _ in range(PAIRED_REPS):
+        for _ in range(reps):
             for name, runner in runners.items():
                 r = runner.run(wl)
                 seconds[name].append(r.seconds)
@@ -161,7 +161,7 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
              f"Plain vLLM with CUDA graphs and capture with CUDA graphs (layers {res['layers']}, bf16 rows) built "
              f"side by side, each with vLLM's default engine-core process and Model Runner V2; their runs "
-             f"alternate, {PAIRED_REPS} of each per batch size after one untimed run of each. Capture's time includes the rows' fetch and "
+             f"alternate, {res.get('reps', PAIRED_REPS)} of each per batch size after one untimed run of each. Capture's time includes the rows' fetch and "
              "assembly into per-sample tensors.", "",
              "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) | pairs: min-max |",
              "|---|---|---|---|---|---|"]
@@ -295,6 +295,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
     ap.add_argument("--paired", action="store_true",
                     help="plain and capture with graphs side by side in one process, runs alternated")
+    ap.add_argument("--reps", type=int, default=PAIRED_REPS, help="--paired: timed runs of each engine per batch size")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -305,7 +306,7 @@ def main() -> None:
             if spec["name"] == "paired":
                 from experiments.gpu.models import SHAPES
 
-                res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"])
+                res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"])
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -336,7 +337,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
-        specs = [dict(name="paired", runner="v2")]
+        specs = [dict(name="paired", runner="v2", reps=args.reps)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue

@@ -38,10 +38,18 @@ class ChunkSlots:
     lens: np.ndarray  # [C]
     group_row: np.ndarray | None = None  # [C]
 
+    @classmethod
+    def joined(cls, parts: list["ChunkSlots"]) -> "ChunkSlots":
+        """The chunks of consecutive steps as one step's."""
+        rows = None if parts[0].group_row is None else np.concatenate([p.group_row for p in parts])
+        return cls(np.concatenate([p.first for p in parts]), np.concatenate([p.capacity for p in parts]),
+                   np.concatenate([p.lens for p in parts]), rows)
+
 
 def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
     """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within
-    capacity), and prompt rows also to the slots that share them (below each one's limit).
+    capacity), and prompt rows also to the slots that share them (below each one's limit). Of rows
+    bound for one place (a position forwarded again after a rejected draft) the last is written.
 
     The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
     assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
@@ -53,6 +61,12 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
     index = first + pos
     inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
     rows = _byte_rows(hidden.to(dest.buffer.dtype))
+    if index.size > 1:  # a place written twice (a position forwarded again): the last row counts
+        kept = np.flatnonzero(inside)
+        last = np.unique(index[kept][::-1], return_index=True)[1]
+        if last.size < kept.size:
+            inside = np.zeros(index.size, dtype=bool)
+            inside[kept[kept.size - 1 - last]] = True
     if inside.all():
         dest.byte_rows[index] = rows
     else:

@@ -212,7 +212,7 @@ class RowRecorder:
                 self._batcher.add(facts, picked, positions, step.input_ids, runs, n_rows)
             else:  # larger than a batch buffer (a long prefill): copied on its own, after the batch
                 self._batcher.flush()
-                self._submit(facts, *self._to_host(*_gathered(picked, positions, step.input_ids, runs, dtype)))
+                self._submit([(facts, n_rows)], *self._to_host(*_gathered(picked, positions, step.input_ids, runs, dtype)))
             self.forwards_recorded += 1
             self.rows_recorded += n_rows
             return
@@ -244,13 +244,17 @@ class RowRecorder:
             group_row=group_row)
         return self._batch
 
-    def _submit(self, facts: tuple, hidden: torch.Tensor, meta: torch.Tensor, ready: object,
+    def _submit(self, steps: list[tuple[tuple, int]], hidden: torch.Tensor, meta: torch.Tensor, ready: object,
                 release: Callable[[], None] | None) -> None:
-        """Hand a step's host rows to the placer (they go to the destination once ``ready``) and
-        keep its metadata until the take."""
-        tags, samples, lens, slots = facts
-        self._placer.submit(ready, self.destination, hidden, meta[0], slots, release)
-        self.steps.append(_Step(tags, samples, lens, None, meta))
+        """Hand consecutive steps' host rows to the placer as one (they go to the destination once
+        ``ready``) and keep each step's metadata until the take."""
+        slots = [facts[3] for facts, _ in steps]
+        self._placer.submit(ready, self.destination, hidden, meta[0],
+                            slots[0] if len(slots) == 1 else ChunkSlots.joined(slots), release)
+        o = 0
+        for (tags, samples, lens, _), n in steps:
+            self.steps.append(_Step(tags, samples, lens, None, meta[:, o : o + n]))
+            o += n
 
     def _to_host(self, hidden: torch.Tensor, meta: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:

@@ -5,7 +5,7 @@ recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms 
 step, a dozen calls, was 6% of the step). Here a step costs its device copies into a persistent
 buffer (the rows as one ``stack``, positions, token ids); every ``max_steps`` steps, or when the
 buffer is full, one asynchronous copy moves the batch to pinned host memory under one CUDA event,
-and the placer takes the batch's steps on one wake-up. Two buffers alternate: one fills while the
+and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
 other is on its way to the host, and the main stream waits (on the device, never the host) for a
 buffer's copy before writing into it again.
 
@@ -26,13 +26,14 @@ BUFFER_BYTES = 16 << 20
 #: Steps per batch at most: bounds how far the placer runs behind the engine.
 MAX_STEPS = 16
 
-#: Called once per flushed step, in recording order: ``(facts, rows, meta, ready, release)`` with
-#: the step's host rows [R, C, H], its metadata [2, R] (valid until the recorder's take), the CUDA
-#: event after which both hold data (None on CPU) and what frees the rows' staging (or None).
 #: The recorder's asynchronous device-to-host copy of rows [R, C, H] and metadata [2, R] (its one
 #: copy stream, so copies finish in order): host rows, host metadata, event, release.
 ToHost = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Any, Callable[[], None] | None]]
-Sink = Callable[[Any, torch.Tensor, torch.Tensor, Any, Callable[[], None] | None], None]
+#: Called once per flush: ``(steps, rows, meta, ready, release)`` with each step's ``(facts, rows)``
+#: in recording order, their host rows [R, C, H] and metadata [2, R] one after another (the
+#: metadata valid until the recorder's take), the CUDA event after which both hold data (None on
+#: CPU) and what frees the rows' staging (or None).
+Sink = Callable[[list[tuple[Any, int]], torch.Tensor, torch.Tensor, Any, Callable[[], None] | None], None]
 
 
 @dataclass
@@ -101,11 +102,7 @@ class StepBatcher:
                 torch.cuda.current_stream(following.rows.device).wait_event(following.copied)
         else:  # placed at once by the sink (no copy in flight); only the metadata is kept
             rows, meta, ready, release = buf.rows[:used], buf.meta[:, :used].clone(), None, None
-        o = 0
-        for i, (facts, n) in enumerate(pending):
-            last = i == len(pending) - 1
-            self.sink(facts, rows[o : o + n], meta[:, o : o + n], ready, release if last else None)
-            o += n
+        self.sink(pending, rows, meta, ready, release)
 
     def discard(self) -> None:
         """Forget the steps not yet flushed (the recorder dropped its rows)."""
