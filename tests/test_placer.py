@@ -434,6 +434,8 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
                for j in range(3)]
         ids = (pos + 1000 * req).to(torch.int32)
         rec.on_forward(StepOutputs(req_ids, np.arange(len(req_ids) + 1, dtype=np.int32) * n, pos, ids, aux))
+    with pytest.raises(RuntimeError, match="still held"):  # the last steps wait in the buffer
+        rec.place_into(dest)
     rows = rec.take()
     assert rows.error is None and rows.placed and rows.num_rows == 3 * (prompt + decode)
     assert rec.rows_recorded == 0 and rec.steps == []  # taken: afresh

@@ -303,7 +303,7 @@ class RowRecorder:
     # ------------------------------------------------------------------ fetch
     def place_into(self, destination: RowDestination | None) -> None:
         """Write the rows of the coming generation into ``destination`` (until the next ``take``)."""
-        if self.steps:
+        if self.steps or (self._batcher is not None and self._batcher.pending):
             raise RuntimeError("rows of an earlier generation are still held: take them first")
         self.destination = destination
         self._batch = None  # its slots are the destination's

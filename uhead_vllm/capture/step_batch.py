@@ -57,6 +57,11 @@ class StepBatcher:
         self._used = 0  # rows of the active buffer written
         self._pending: list[tuple[Any, int]] = []  # (facts, rows) of the steps in the active buffer
 
+    @property
+    def pending(self) -> int:
+        """Steps written and not yet flushed."""
+        return len(self._pending)
+
     def fits(self, n_rows: int) -> bool:
         """Whether a step of ``n_rows`` goes through the buffers (else the caller copies it alone,
         after :meth:`flush`)."""
