@@ -58,6 +58,16 @@ def configs(shape: str, n_layers: int) -> list[dict[str, Any]]:
     return out
 
 
+def captured_layers(n_layers: int, count: int) -> tuple[int, ...]:
+    """``count`` HF layer indices spread over 0..n_layers (1: the middle one; 3: first, middle,
+    last, as the default; 0 or more than there are: all)."""
+    if count <= 0 or count > n_layers:
+        return tuple(range(n_layers + 1))
+    if count == 1:
+        return (n_layers // 2,)
+    return tuple(sorted({round(i * n_layers / (count - 1)) for i in range(count)}))
+
+
 def engine_settings(shape: str, tp: int = 1, paired: bool = False) -> dict[str, Any]:
     """One engine's settings; ``paired``: two engines share the GPU (the largest batch needs
     ~6.3 GB of KV cache at the 8B shape, 256 sequences of ~190 tokens)."""
@@ -109,7 +119,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
     return result
 
 
-def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS) -> dict[str, Any]:
+def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
@@ -121,7 +131,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS)
                            "two in-process engines would share one Python interpreter")
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = rendered_prompts(tokenizer, max(BATCHES))
-    layers = (0, n_layers // 2, n_layers)
+    layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
     runners = {"plain-graphs": Runner(Config("plain", "compiled"), model, "bfloat16", (0,),
                                       engine_settings(shape, paired=True), prompts, big),
@@ -296,6 +306,8 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true",
                     help="plain and capture with graphs side by side in one process, runs alternated")
     ap.add_argument("--reps", type=int, default=PAIRED_REPS, help="--paired: timed runs of each engine per batch size")
+    ap.add_argument("--layers", type=int, default=3,
+                    help="--paired: layers captured, spread from 0 to the last (0 or more than the model has: all)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -306,7 +318,8 @@ def main() -> None:
             if spec["name"] == "paired":
                 from experiments.gpu.models import SHAPES
 
-                res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"])
+                res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
+                                   spec["layers"])
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -337,7 +350,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
-        specs = [dict(name="paired", runner="v2", reps=args.reps)]
+        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
