@@ -212,7 +212,8 @@ class RowRecorder:
                 self._batcher.add(facts, picked, positions, step.input_ids, runs, n_rows)
             else:  # larger than a batch buffer (a long prefill): copied on its own, after the batch
                 self._batcher.flush()
-                self._submit([(facts, n_rows)], *self._to_host(*_gathered(picked, positions, step.input_ids, runs, dtype)))
+                hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
+                self._submit([(facts, n_rows)], *self._to_host(hidden, meta))
             self.forwards_recorded += 1
             self.rows_recorded += n_rows
             return
@@ -260,9 +261,10 @@ class RowRecorder:
                  ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:
         """Host copies of a step's freshly gathered rows and metadata; on a GPU asynchronous into
         pinned memory, on a stream of its own (one wait, one event for both), so the next step's
-        forward never queues behind the copies. With a destination the rows go through the
-        placer's ring (the third value frees their region once placed; None: nothing to free)
-        and the metadata, kept until the take, into the arena (see staging.py)."""
+        forward never queues behind the copies; the third value is the copies' event (None on
+        CPU). With a destination the rows go through the placer's ring (the fourth value frees
+        their region once placed; None: nothing to free) and the metadata, kept until the take,
+        into the arena (see staging.py)."""
         if hidden.device.type != "cuda":
             return hidden, meta, None, None  # already new tensors (stack/cat copies), never engine buffers
         if self._copy_stream is None:

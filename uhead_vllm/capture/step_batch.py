@@ -79,7 +79,7 @@ class StepBatcher:
         for a, b in runs:
             n = b - a
             dest = buf.rows[o : o + n]
-            if picked[0].dtype == self.dtype:
+            if all(h.dtype == self.dtype for h in picked):
                 torch.stack([h[a:b] for h in picked], dim=1, out=dest)
             else:  # stack has no dtype conversion into ``out``: a copy per column
                 for j, h in enumerate(picked):
