@@ -214,13 +214,11 @@ class RowRecorder:
                 self._batcher.flush()
                 hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
                 self._submit([(facts, n_rows)], *self._to_host(hidden, meta))
-            self.forwards_recorded += 1
-            self.rows_recorded += n_rows
-            return
-        hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
-        hidden, meta, _, _ = self._to_host(hidden, meta)
-        self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
-        self.bytes_held += new_bytes
+        else:  # kept until fetched
+            hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
+            hidden, meta, _, _ = self._to_host(hidden, meta)
+            self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
+            self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
 

@@ -46,12 +46,11 @@ class _Buffer:
 class StepBatcher:
     """Accumulates steps (each a few row runs of the forward's outputs) until a flush."""
 
-    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, to_host: ToHost, sink: Sink,
-                 buffer_bytes: int | None = None, max_steps: int | None = None) -> None:
+    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, to_host: ToHost, sink: Sink) -> None:
         self.columns, self.hidden, self.dtype = columns, hidden, dtype
         self.to_host, self.sink = to_host, sink
-        self.capacity = max(1, (buffer_bytes or BUFFER_BYTES) // (columns * hidden * dtype.itemsize))
-        self.max_steps = max_steps or MAX_STEPS
+        self.capacity = max(1, BUFFER_BYTES // (columns * hidden * dtype.itemsize))
+        self.max_steps = MAX_STEPS
         self._buffers: list[_Buffer] = []
         self._active = 0
         self._used = 0  # rows of the active buffer written
