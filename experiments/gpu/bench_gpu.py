@@ -119,8 +119,13 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
     return result
 
 
-def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3) -> dict[str, Any]:
-    """Plain vLLM with graphs and capture with graphs built side by side, runs alternated."""
+def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
+                 split: bool = False) -> dict[str, Any]:
+    """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
+
+    ``split``: two more series alternate with them, the generator's request form (token ids, one
+    n=1 request per sample, no capture tags) sent straight to each engine's vLLM: on the plain
+    engine it prices the request form, on the capturing engine the aux outputs in its graphs."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
@@ -143,13 +148,20 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {}}
     for b in BATCHES:
         wl = Workload(b, N, MAX_TOKENS)
-        seconds: dict[str, list[float]] = {name: [] for name in runners}
         extra: dict[str, Any] = {}
-        for runner in runners.values():  # one full-length untimed run each: the first ones ran 20-40%
-            runner.run(wl)                # slower for both (allocator, page cache), session 15
+        ways = {name: runner.run for name, runner in runners.items()}
+        if split:
+            inputs, params = fanout_requests(prompts[:b], tokenizer)
+            ways = {"plain-graphs": ways["plain-graphs"],
+                    "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
+                    "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
+                    "ours-graphs": ways["ours-graphs"]}
+        seconds = {name: [] for name in ways}
+        for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
+            way(wl)                # slower for both (allocator, page cache), session 15
         for _ in range(reps):
-            for name, runner in runners.items():
-                r = runner.run(wl)
+            for name, way in ways.items():
+                r = way(wl)
                 seconds[name].append(r.seconds)
                 extra[name] = r.extra
         med = {name: float(np.median(v)) for name, v in seconds.items()}
@@ -166,6 +178,19 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     return result
 
 
+def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
+    """One timed ``llm.generate`` of requests in the generator's form, without capture tags."""
+    from experiments.bench.engines import RunResult
+
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+    gc.collect()
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return RunResult(dt, sum(len(c.token_ids) for o in outs for c in o.outputs), extra={"vllm_generate_seconds": dt})
+
+
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
     lines = [f"# GPU capture throughput, paired in one process, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
@@ -179,6 +204,17 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
         med, pairs = r["median_seconds"], r["pair_ratios"]
         lines.append(f"| {seqs} | {med['plain-graphs']:.3f} | {med['ours-graphs']:.3f} | **{r['ratio_of_medians']:.3f}** "
                      f"| {r['ratio_of_best']:.3f} | {min(pairs):.3f}-{max(pairs):.3f} |")
+    if "plain-ids" in next(iter(res["batches"].values()))["median_seconds"]:
+        lines += ["", "The split: the generator's request form (token ids, one n=1 request per sample, no capture "
+                  "tags) sent straight to each engine, alternating with the two above (median seconds; ratios are "
+                  "throughput against plain vLLM with its own request form).", "",
+                  "| sequences | plain | plain, generator's request form | capturing engine, untagged | capture |",
+                  "|---|---|---|---|---|"]
+        for seqs, r in res["batches"].items():
+            med = r["median_seconds"]
+            lines.append(f"| {seqs} | " + " | ".join(
+                f"{med[k]:.3f} ({med['plain-graphs'] / med[k]:.3f})"
+                for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs")) + " |")
     big = res["batches"][str(max(BATCHES) * N)]["extra"]["ours-graphs"]
     lines += ["", f"Capture at {max(BATCHES) * N} sequences, last run: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()), ""]
@@ -199,13 +235,9 @@ def fanout(runner: Any, prompts: list[str], tokenizer: Any, captured: Any = None
     for _ in range(REPS + (1 if captured is not None else 0)):
         if captured is not None:
             capture_seconds.append(runner.run(captured).seconds)
-        if not runner.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache")
-        t0 = time.perf_counter()
-        outs = runner.llm.generate(inputs, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - t0)
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    result = {"sequences": len(inputs), "seconds": seconds, "tok_per_s": tokens / min(seconds)}
+        run = untagged_run(runner.llm, inputs, params)
+        seconds.append(run.seconds)
+    result = {"sequences": len(inputs), "seconds": seconds, "tok_per_s": run.generated_tokens / min(seconds)}
     if captured is not None:
         result["interleaved_capture_seconds"] = capture_seconds
         result["interleaved_ratio"] = min(seconds) / min(capture_seconds)
@@ -308,6 +340,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=PAIRED_REPS, help="--paired: timed runs of each engine per batch size")
     ap.add_argument("--layers", type=int, default=3,
                     help="--paired: layers captured, spread from 0 to the last (0 or more than the model has: all)")
+    ap.add_argument("--split", action="store_true",
+                    help="--paired: also time the generator's request form, untagged, on both engines")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -319,7 +353,7 @@ def main() -> None:
                 from experiments.gpu.models import SHAPES
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
-                                   spec["layers"])
+                                   spec["layers"], spec["split"])
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -350,7 +384,7 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
-        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers)]
+        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
