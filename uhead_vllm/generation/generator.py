@@ -183,6 +183,14 @@ class _Seq:
     step_salt: str = ""  # digest of the spec as given: the step-cache key prefix ("" = plain)
 
 
+def _invalid_per_seq(valid: torch.Tensor, bounds: np.ndarray) -> np.ndarray:
+    """Rows not (yet) valid per sequence, sequence i owning ``valid[bounds[i]:bounds[i + 1]]``:
+    one pass over the call's validity instead of a tensor reduction per sequence."""
+    missing = np.zeros(valid.numel() + 1, dtype=np.int64)
+    np.cumsum(~valid.numpy(), out=missing[1:])
+    return missing[bounds[1:]] - missing[bounds[:-1]]
+
+
 class VllmHiddenStatesGenerator:
     """Generate with vLLM and return exact per-token hidden states of the captured layers.
 
@@ -344,15 +352,16 @@ class VllmHiddenStatesGenerator:
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, steering, request_outputs, last)
-        stats.rows_from_shared_prefix = self._place_first_pass(seqs, list(owners), captured, destination)
-        if last:
-            # The final token is never forwarded in context during generation; a row at its
-            # position can only be a speculative draft's (possibly after a rejected token), so
-            # it is always computed afresh.
-            for q in seqs:
-                if q.last:
-                    q.valid[q.num_rows - 1] = False
-        missing_before = sum(int((~q.valid[: q.num_rows - int(q.last)]).sum()) for q in seqs)
+        stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), captured, destination)
+        bounds = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum([q.num_rows for q in seqs], out=bounds[1:])
+        # The final token is never forwarded in context during generation; a row at its position
+        # can only be a speculative draft's (possibly after a rejected token), so it is always
+        # computed afresh.
+        last_rows = [end - 1 for q, end in zip(seqs, bounds[1:].tolist()) if q.last]
+        if last_rows:
+            valid[last_rows] = False
+        missing_before = int(_invalid_per_seq(valid, bounds).sum()) - len(last_rows)
         stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_shared_prefix - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
@@ -363,13 +372,13 @@ class VllmHiddenStatesGenerator:
             for q, k in zip(seqs, keys):
                 self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
                                buffer_bytes=occupied.get(buffer_address(q.rows)))
-            complete = [bool(q.valid.all()) for q in seqs]
+            complete = (_invalid_per_seq(valid, bounds) == 0).tolist()
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for q, k, done in zip(seqs, keys, complete):
                 if not done:
                     stats.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k, copies=copies)
             copy_all(copies)
-            self._recompute_missing(seqs, stats)
+            self._recompute_missing(seqs, [q for q, n in zip(seqs, _invalid_per_seq(valid, bounds)) if n], stats)
             for q, k, done in zip(seqs, keys, complete):
                 if not done:  # blocks completed by the fill or the recompute
                     self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
@@ -418,11 +427,13 @@ class VllmHiddenStatesGenerator:
         for tag, ro in zip(owners, request_outputs):
             i, s = owners[tag]
             out = ro.outputs[0]
-            expected = torch.tensor(list(ro.prompt_token_ids) + list(out.token_ids), dtype=torch.int64)
+            ids = list(ro.prompt_token_ids)
+            ids += out.token_ids
             # vLLM refuses a prompt of max_model_len tokens, so a sequence that long cannot have
             # its last token forwarded: flag it rather than lose the call.
-            full = last and len(expected) >= self.max_model_len
-            num_rows = len(expected) - (0 if last and not full else 1)
+            full = last and len(ids) >= self.max_model_len
+            num_rows = len(ids) - (0 if last and not full else 1)
+            expected = torch.from_numpy(np.array(ids, dtype=np.int64))
             seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
                              out, ro, last=last and not full, last_row_missing=full,
                              salt=steering[tag].salt, steer_args=steering[tag].extra_args,
@@ -457,7 +468,7 @@ class VllmHiddenStatesGenerator:
                                       [(limit, tags) for limit, tags in groups if limit > 0])
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
-                          destination: RowDestination | None) -> int:
+                          destination: RowDestination | None) -> tuple[int, torch.Tensor]:
         """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
 
         A captured row counts only where its tag is ours, its position lies inside the sequence
@@ -466,7 +477,8 @@ class VllmHiddenStatesGenerator:
         the one that counts. Rows the worker already wrote into ``destination`` are only checked;
         otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
         ``rows`` / ``valid`` are views of the shared buffers. Returns the rows another request of
-        the call wrote (:meth:`_shared_prefix_rows`).
+        the call wrote (:meth:`_shared_prefix_rows`) and the validity of every sequence's rows, one
+        after another (each ``valid`` is a view of it).
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
@@ -515,15 +527,15 @@ class VllmHiddenStatesGenerator:
                 from_shared = int((good & ~hit[targets]).sum())
                 hit[targets] = good
             valid = hit
-        for q, a, n, b, c in zip(seqs, first.tolist(), lens.tolist(), cum[:-1].tolist(), capacity.tolist()):
-            q.valid = valid[b : b + n]
+        for q, a, n, c, v in zip(seqs, first.tolist(), lens.tolist(), capacity.tolist(), valid.split(lens.tolist())):
+            q.valid = v
             if n <= c:
                 q.rows = buffer[a : a + n]
             else:  # vLLM's prompt was longer than the slot planned for it: rows past it are recomputed
                 with torch.inference_mode(False):
                     q.rows = torch.empty((n,) + tuple(buffer.shape[1:]), dtype=buffer.dtype)
                 q.rows[:c] = buffer[a : a + c]
-        return from_shared
+        return from_shared, valid
 
     @staticmethod
     def _shared_prefix_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination,
@@ -531,7 +543,7 @@ class VllmHiddenStatesGenerator:
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Which prompt rows of grouped requests hold a right row (see ``credited_shared_rows``)."""
         index = {t: k for k, t in enumerate(tags)}
-        prompts = [q.expected[: len(q.expected) - len(q.output.token_ids)].numpy() for q in seqs]
+        prompts = [q.request_output.prompt_token_ids for q in seqs]
         num_rows = np.asarray([q.num_rows for q in seqs], dtype=np.int64)
         groups = [(limit, [index[t] for t in members]) for limit, members in destination.groups]
         targets, good = credited_shared_rows(prompts, num_rows, cum.numpy(), groups, rows.numpy(), matched.numpy())
@@ -563,10 +575,10 @@ class VllmHiddenStatesGenerator:
                 place_rows(q.expected, q.num_rows, captured.positions[idx], captured.token_ids[idx],
                            captured.hidden[idx], q.rows, q.valid)
 
-    def _recompute_missing(self, seqs: list[_Seq], stats: GenerationStats) -> None:
+    def _recompute_missing(self, seqs: list[_Seq], todo: list[_Seq], stats: GenerationStats) -> None:
+        """Forward again the sequences in ``todo`` (those of ``seqs`` with rows still missing)."""
         from vllm import SamplingParams
 
-        todo = [q for q in seqs if not bool(q.valid.all())]
         if not todo:
             return
         gaps = [q for q in todo if not bool(q.valid[: q.num_rows - int(q.last)].all())]
@@ -617,7 +629,7 @@ class VllmHiddenStatesGenerator:
                 if isinstance(prompts[i], str):  # sent as token ids (see _pretokenized): the text, as vLLM gives it
                     merged[i].prompt = prompts[i]
             merged[i].outputs.append(out)
-            prompt_ids = q.expected[: len(q.expected) - len(q.output.token_ids)].tolist()
+            prompt_ids = list(q.request_output.prompt_token_ids)
             sample = SampleHiddenStates(
                 prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
                 output_token_ids=list(q.output.token_ids), text=q.output.text, layers=self.layers,

@@ -47,7 +47,7 @@ def prefix_groups(prompts: Sequence[tuple[bytes, Sequence[int], Sequence[int]]],
     return groups
 
 
-def credited_shared_rows(prompts: Sequence[np.ndarray], num_rows: np.ndarray, cum: np.ndarray,
+def credited_shared_rows(prompts: Sequence[Sequence[int]], num_rows: np.ndarray, cum: np.ndarray,
                          groups: Sequence[tuple[int, Sequence[int]]], rows: np.ndarray, matched: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray]:
     """Which prompt rows of grouped sequences hold a right row after the worker's shared writes.
