@@ -139,6 +139,14 @@ def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     assert len(again) == 4
     for key in again:
         assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
+    # The destination is handed over without waiting for the worker's answer; a worker that
+    # declines it (the file it sees is not the engine side's) answers after the requests ran, and
+    # the rows come back with the fetch instead, still exact.
+    assert meta["declined_rows_placed"] == "0" and int(meta["declined_rows_captured"]) > 0
+    declined = sorted(k[: -len("_ids")] for k in t if k.startswith("declined_") and k.endswith("_ids"))
+    assert len(declined) == 4
+    for key in declined:
+        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
 
 
 def test_bf16_storage_rows_match_hf(tiny_models):

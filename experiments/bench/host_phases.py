@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in GENERATOR_PHASES:
         setattr(gen, name, _timed(times, name, getattr(gen, name)))
     gen.client.fetch = _timed(times, "fetch (RPC)", gen.client.fetch)
-    gen.client.place_into = _timed(times, "place_into (RPC, in _destination)", gen.client.place_into)
+    gen.client.place_into = _timed(times, "place_into (sent, in _destination)", gen.client.place_into)
     gen.store.put = _timed(times, "store.put", gen.store.put)
     gen.store.keys = _timed(times, "store.keys", gen.store.keys)
     llm.generate = _timed(times, "llm.generate", llm.generate)

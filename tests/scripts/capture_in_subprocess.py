@@ -5,7 +5,7 @@ The test process compares the rows with Hugging Face; only safetensors cross the
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
 prefix cache, from the request that computed them), and are saved too; so are the rows of a
-later call written into a shared file used before.
+later call written into a shared file used before, and of a call whose worker declined the file.
 """
 
 from __future__ import annotations
@@ -69,14 +69,35 @@ def main() -> None:
             key = f"again_{s.prompt_index}_{s.sample_index}"
             tensors[f"{key}_hidden"] = s.hidden.clone()
             tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
+    created, reused = files.created, files.reused
+    # A worker that cannot map the file (as on another host: the file it finds is not the engine
+    # side's) answers after the requests were already sent: its rows then come back with the fetch.
+    import uhead_vllm.generation.backends.aux as aux
+
+    class ElsewhereDestination(aux.SharedDestination):
+        def to_json(self) -> str:
+            return json.dumps({**json.loads(super().to_json()), "file_id": [0, 0]})
+
+    aux.SharedDestination = ElsewhereDestination
+    try:
+        res4 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
+    finally:
+        aux.SharedDestination = ElsewhereDestination.__bases__[0]
+    for per_prompt in res4.hidden_states:
+        for s in per_prompt:
+            key = f"declined_{s.prompt_index}_{s.sample_index}"
+            tensors[f"{key}_hidden"] = s.hidden.clone()
+            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
     save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
                                       "rows_captured": str(st.rows_captured),
                                       "rows_from_shared_prefix": str(st.rows_from_shared_prefix),
                                       "rows_from_store": str(st.rows_from_store),
                                       "held_rows_unchanged": str(unchanged),
                                       "files_created_while_held": str(created_while_held),
-                                      "files_created": str(files.created), "files_reused": str(files.reused),
-                                      "again_rows_placed": str(res3.stats.rows_placed)})
+                                      "files_created": str(created), "files_reused": str(reused),
+                                      "again_rows_placed": str(res3.stats.rows_placed),
+                                      "declined_rows_placed": str(res4.stats.rows_placed),
+                                      "declined_rows_captured": str(res4.stats.rows_captured)})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 import torch
@@ -193,15 +193,17 @@ class RowDestination:
     member_index: np.ndarray = field(init=False, repr=False)  # [T + 1]
     member_first: np.ndarray = field(init=False, repr=False)  # [T]
     group_span: np.ndarray = field(init=False, repr=False)  # [G, 2] member range of each group
+    tables: InitVar[bool] = True  # False: the engine side's view of a shared file, never written through
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tables: bool) -> None:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
             raise ValueError("RowDestination.buffer must be a contiguous [rows, layers, hidden] host tensor")
         self.byte_rows = self.buffer.view(torch.uint8).numpy().reshape(self.buffer.shape[0], -1)
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
-        self._build_group_tables()
+        if tables:
+            self._build_group_tables()
 
     def _build_group_tables(self) -> None:
         """The worker's lookup tables for ``groups`` (see the fields above)."""
@@ -303,13 +305,14 @@ class SharedDestination:
                 mapped[self.key] = flat
         return self.on(flat)
 
-    def on(self, flat: torch.Tensor) -> RowDestination:
-        """The destination over ``flat``, a uint8 mapping of the file (either side's)."""
+    def on(self, flat: torch.Tensor, tables: bool = True) -> RowDestination:
+        """The destination over ``flat``, a uint8 mapping of the file (either side's); ``tables``:
+        the placer's group tables (the worker's side needs them, the engine side does not)."""
         if flat.numel() < self.nbytes:
             raise ValueError(f"shared row file {self.key or self.path} holds {flat.numel()} bytes, "
                              f"the destination needs {self.nbytes}")
         buffer = flat[: self.nbytes].view(_DTYPES[self.dtype]).view(self.shape)
-        return RowDestination(buffer, dict(self.slots), list(self.groups))
+        return RowDestination(buffer, dict(self.slots), list(self.groups), tables=tables)
 
 
 def encode_rows(rows: CapturedRows) -> bytes:

@@ -25,7 +25,7 @@ from ..capture.points import ALIASES
 from ..capture.protocol import CapturedRows, RequestTag, RowDestination
 from ..errors import UheadError
 from .assembly import place_rows
-from .backends import open_capture_client, raise_if_engine_dead
+from .backends import Placement, open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
 from .prefix_groups import credited_shared_rows, prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
@@ -342,8 +342,11 @@ class VllmHiddenStatesGenerator:
                 inputs.append(request.vllm_input)
                 child_params.append(child)
 
-        destination = self._destination(rendered, owners, child_params, steering)  # drops rows recorded before
-        request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
+        placement = self._destination(rendered, owners, child_params, steering)  # drops rows recorded before
+        try:
+            request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
+        finally:
+            destination = placement.settle()
         captured = self.client.fetch()
         if captured.error:
             raise CaptureError(captured.error, outputs=request_outputs)
@@ -440,12 +443,13 @@ class VllmHiddenStatesGenerator:
                              step_salt=steering[tag].step_salt))
         return seqs
 
-    def _destination(self, rendered, owners: dict, child_params: list, steering: dict) -> RowDestination | None:
+    def _destination(self, rendered, owners: dict, child_params: list, steering: dict) -> Placement:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
         into while vLLM generates (see :class:`RowDestination`), requests grouped by the prompt
-        prefixes they share (:func:`prefix_groups`). None when that room would exceed half the
-        machine's memory even as untouched address space, or the backend cannot. Either way the
-        rows the worker recorded before (requests made outside this generator) are dropped."""
+        prefixes they share (:func:`prefix_groups`); settled once the requests are sent. No
+        destination when that room would exceed half the machine's memory even as untouched address
+        space, or the backend cannot. Either way the rows the worker recorded before (requests made
+        outside this generator) are dropped."""
         ids_of: dict[int, list[int]] = {}  # every prompt reaches vLLM as token ids (see _pretokenized)
         slots, first, tags_of = {}, 0, {}
         for tag, params in zip(owners, child_params):
@@ -460,7 +464,7 @@ class VllmHiddenStatesGenerator:
         row_bytes = self.columns * self.hidden_size * dtype.itemsize
         if first * row_bytes > _physical_memory() // 2:
             self.client.fetch()
-            return None
+            return Placement(None)
         shared = prefix_groups([(steering[tags[0]].salt.encode(), ids_of[i], tags) for i, tags in tags_of.items()],
                                self.block_size)
         groups = [(min([limit] + [slots[t][1] for t in tags]), tags) for limit, tags in shared]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .aux import AUX, AuxClient, CaptureNotInstalledError, capture_engine_kwargs
-from .base import CaptureBackend, CaptureClient, raise_if_engine_dead
+from .base import CaptureBackend, CaptureClient, Placement, raise_if_engine_dead
 from .extract import EXTRACT, ExtractClient
 
 #: Backends by name; ``aux`` is the default.
@@ -32,4 +32,5 @@ def open_capture_client(llm: Any) -> CaptureClient:
 
 
 __all__ = ["BACKENDS", "AuxClient", "CaptureBackend", "CaptureClient", "CaptureNotInstalledError",
-           "ExtractClient", "capture_engine_kwargs", "get_backend", "open_capture_client", "raise_if_engine_dead"]
+           "ExtractClient", "Placement", "capture_engine_kwargs", "get_backend", "open_capture_client",
+           "raise_if_engine_dead"]

@@ -3,6 +3,7 @@ model-runner level (``uhead_vllm.capture``); rows come back through ``collective
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -25,7 +26,7 @@ from ...capture.protocol import (
 from ...errors import InputError
 from ..host_memory import host_buffer
 from ..shared_rows import SharedRowFiles
-from .base import raise_if_engine_dead
+from .base import Placement, raise_if_engine_dead
 
 
 class CaptureNotInstalledError(InputError, RuntimeError):
@@ -96,32 +97,37 @@ class AuxClient:
         return CaptureSettings.from_dict(recording[0]["settings"])
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
-        """Drop rows recorded before (one RPC with the hand-over) and give the worker a buffer of
-        ``shape`` to write the next generation's rows into while it runs (``slots``: request tag
-        -> first row, capacity; ``groups``: see :class:`RowDestination`). In this process a
-        plain tensor; with the engine core in another process a shared-memory file both sides
-        map. None where neither can be had (the rows then come back with ``fetch``)."""
+                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> Placement:
+        """Drop rows recorded before (with the hand-over) and give the worker a buffer of ``shape``
+        to write the next generation's rows into while it runs (``slots``: request tag -> first
+        row, capacity; ``groups``: see :class:`RowDestination`). In this process a plain tensor;
+        with the engine core in another process a shared-memory file both sides map, handed over
+        without waiting for the worker's reply (see :class:`Placement`). No destination where
+        neither can be had (the rows then come back with ``fetch``)."""
         dtype = self.settings.dtype
         if engine_internals.worker_in_process(self.llm):
             destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(groups))
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
-            return destination if placed else None
+            return Placement(destination if placed else None)
         files = shared_row_files(self.llm)
         taken = files.take(math.prod(shape) * self.settings.torch_dtype.itemsize)
         if taken is None:  # no room in shared memory: the rows come back with the fetch
             self.fetch()
-            return None
+            return Placement(None)
         row_file, flat = taken
         spec = SharedDestination(row_file.path, shape, dtype, slots, row_file.file_id, list(groups),
                                  row_file.key, row_file.nbytes, tuple(files.keys()))
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
-            destination = spec.on(flat)
-        try:
-            placed = any(self.llm.collective_rpc("uhead_place_into", args=(spec.to_json(),)))
-        finally:
-            files.unname(row_file)  # both sides hold their mappings; the memory goes with the last one
-        return destination if placed else None
+            destination = spec.on(flat, tables=False)
+        # Both sides hold their mappings once the worker answered: the memory goes with the last one.
+        unname = functools.partial(files.unname, row_file)
+        answer = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (spec.to_json(),))
+        if answer is None:
+            placement = Placement(destination, lambda: any(self.llm.collective_rpc(
+                "uhead_place_into", args=(spec.to_json(),))), unname)
+            placement.settle()
+            return placement
+        return Placement(destination, lambda: any(answer()), unname)
 
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core

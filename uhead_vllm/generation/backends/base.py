@@ -8,7 +8,8 @@ never knows which backend it talks to.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
 
 from ...adapters import engine as engine_internals
 from ...capture.protocol import CapturedRows, CaptureSettings, RowDestination
@@ -25,18 +26,43 @@ def raise_if_engine_dead(exc: BaseException) -> None:
         ) from exc
 
 
+@dataclass
+class Placement:
+    """Where the worker is asked to write the coming generation's rows.
+
+    ``answer`` (when set) waits for the worker's reply to a request that was sent without waiting
+    (the engine core handles its input in order, so the worker takes the destination before any
+    request sent after it runs); ``settle`` is called once those requests are sent and returns the
+    destination, or None where the worker declined (its rows then come back with ``fetch``)."""
+
+    destination: RowDestination | None
+    answer: Callable[[], bool] | None = None
+    after: Callable[[], None] | None = None  # runs once the answer is in (or failed)
+
+    def settle(self) -> RowDestination | None:
+        if self.answer is not None:
+            answer, self.answer = self.answer, None
+            try:
+                if not answer():
+                    self.destination = None
+            finally:
+                if self.after is not None:
+                    self.after()
+        return self.destination
+
+
 class CaptureClient(Protocol):
     """Engine-side handle on one engine's capture: its settings, and rows since the last fetch."""
 
     settings: CaptureSettings
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> RowDestination | None:
+                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> Placement:
         """Start a generation: drop rows recorded before it (requests made outside the generator)
-        and return a buffer the worker writes this generation's rows into while it runs
+        and name a buffer the worker writes this generation's rows into while it runs
         (``slots``: request tag -> first row, capacity; ``groups``: see
-        :class:`RowDestination`); None where this backend or engine cannot (the rows then come
-        back with ``fetch``)."""
+        :class:`RowDestination`); its destination is None where this backend or engine cannot
+        (the rows then come back with ``fetch``). Call ``settle`` after sending the requests."""
 
     def fetch(self) -> CapturedRows: ...
 

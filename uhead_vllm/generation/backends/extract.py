@@ -33,6 +33,7 @@ from ...capture.extract_connector import (
 )
 from ...adapters import engine as engine_internals
 from ...capture.protocol import CapturedRows, CaptureSettings, empty_rows
+from .base import Placement
 
 #: Keys of ``kv_connector_extra_config`` read back by :class:`ExtractClient`.
 LAYERS_KEY = "uhead_layers"
@@ -159,11 +160,11 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple, groups: list = ()) -> None:
+    def place_into(self, slots: dict, shape: tuple, groups: list = ()) -> Placement:
         """Rows of this backend arrive as files after the generation: never placed while it runs;
         earlier rows are dropped."""
         self.fetch()
-        return None
+        return Placement(None)
 
     def fetch(self) -> CapturedRows:
         """Rows of every request finished since the previous fetch (their files are deleted)."""
