@@ -336,41 +336,6 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
     assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 0.0] and freed[-1] == "broken"
 
 
-def test_steps_queued_back_to_back_in_one_allocation_are_placed_in_one_copy_as_each_alone_would(monkeypatch):
-    """Steps that queued while the placer waited, their rows adjacent in one allocation (as
-    consecutive regions of the staging ring), go in one ``place_step``; the result equals placing
-    them one by one (a position forwarded again in a later step still ends with the later row);
-    rows in another allocation or for another destination are placed on their own."""
-    from uhead_vllm.capture import placer as placer_module
-
-    calls = []
-    real = placer_module.place_step
-    monkeypatch.setattr(placer_module, "place_step", lambda *a: (calls.append(a[1].shape[0]), real(*a)))
-    ring = torch.arange(12, dtype=torch.float32).view(12, 1, 1)
-    steps = [(ring[0:3], [0, 0, 1], [0, 4], [4, 4], [2, 1]),  # tag 7 at 0, 1 (prefill); tag 8 at 0
-             (ring[3:5], [2, 1], [0, 4], [4, 4], [1, 1]),
-             (ring[5:7], [1, 2], [0, 4], [4, 4], [1, 1]),  # tag 7 at 1 forwarded again: this row wins
-             (torch.full((1, 1, 1), 50.0), [3], [0], [4], [1])]  # another allocation
-    expected = RowDestination(torch.full((8, 1, 1), -1.0), {7: (0, 4), 8: (4, 4)})
-    for rows, pos, first, cap, lens in steps:
-        place_step(expected, rows, torch.tensor(pos), slots(first, cap, lens))
-    dest = RowDestination(torch.full((8, 1, 1), -1.0), {7: (0, 4), 8: (4, 4)})
-    other = RowDestination(torch.full((8, 1, 1), -1.0), {7: (0, 4), 8: (4, 4)})
-    freed = []
-    queued = [(None, dest, ring[7:8], torch.tensor([3]), slots([4], [4], [1]), None)]  # tag 8 at 3, not adjacent
-    for k, (rows, pos, first, cap, lens) in enumerate(steps):
-        queued.append((None, dest, rows, torch.tensor(pos), slots(first, cap, lens), lambda k=k: freed.append(k)))
-    queued.append((None, other, ring[8:9], torch.tensor([0]), slots([0], [4], [1]), None))  # other destination
-    placer = Placer()
-    placer._place(queued)  # what the thread does with the steps it found queued on one wake-up
-    assert placer.drain()[0] is None
-    want = expected.buffer.clone()
-    want[7] = ring[7]
-    assert torch.equal(dest.buffer, want) and freed == [0, 1, 2, 3]
-    assert other.buffer.flatten().tolist() == [8.0] + [-1.0] * 7
-    assert calls == [1, 7, 1, 1]  # not adjacent; three adjacent steps at once; another allocation; another destination
-
-
 def test_shared_rows_count_only_below_the_prefix_the_prompts_really_share_and_never_after_a_wrong_row():
     from uhead_vllm.generation.prefix_groups import credited_shared_rows
 

@@ -158,51 +158,16 @@ class Placer:
             waited = None
         except Exception as exc:
             waited = exc
-        for run in _adjacent_runs(items):
+        for _, dest, hidden, positions, chunks, done in items:
             try:
                 if waited is not None:
                     raise waited
                 start = time.perf_counter()
-                place_step(*_joined(run))
+                place_step(dest, hidden, positions, chunks)
                 self._seconds += time.perf_counter() - start
-            except Exception as exc:  # reported at fetch: the rows of these steps are missing, not wrong
+            except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
                 if self._error is None:
                     self._error = f"placing captured rows failed: {type(exc).__name__}: {exc}"
             finally:
-                for item in run:
-                    if item[5] is not None:
-                        item[5]()
-
-
-def _adjacent_runs(items: list[tuple]) -> list[list[tuple]]:
-    """``items`` split into runs of steps for one destination whose host rows lie back to back in
-    one allocation (consecutive regions of the staging ring): a run is written with one numpy
-    copy. Each copy releases the GIL and must take it back from the engine's thread, which can
-    take a switch interval (5 ms) while the engine runs Python; a placer behind by many steps
-    thus catches up in a few copies instead of one per step."""
-    runs: list[list[tuple]] = []
-    for item in items:
-        if runs and _follows(runs[-1][-1], item):
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs
-
-
-def _follows(a: tuple, b: tuple) -> bool:
-    ha, hb = a[2], b[2]
-    return (a[1] is b[1] and ha.dtype == hb.dtype and ha.shape[1:] == hb.shape[1:] and ha.is_contiguous()
-            and hb.is_contiguous() and ha.untyped_storage().data_ptr() == hb.untyped_storage().data_ptr()
-            and ha.data_ptr() + ha.numel() * ha.element_size() == hb.data_ptr())
-
-
-def _joined(run: list[tuple]) -> tuple[RowDestination, torch.Tensor, torch.Tensor, ChunkSlots]:
-    """One step's arguments of ``place_step`` for a run of adjacent steps (rows in recording order,
-    so where two rows are bound for one place the later one still wins)."""
-    dest, hidden, positions, chunks = run[0][1:5]
-    if len(run) == 1:
-        return dest, hidden, positions, chunks
-    rows = sum(item[2].shape[0] for item in run)
-    merged = hidden.new_empty(0).set_(hidden.untyped_storage(), hidden.storage_offset(),
-                                      (rows, *hidden.shape[1:]))
-    return (dest, merged, torch.cat([item[3] for item in run]), ChunkSlots.joined([item[4] for item in run]))
+                if done is not None:
+                    done()
