@@ -446,3 +446,24 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
         mine = rows.tags == t
         assert rows.positions[mine].tolist() == list(range(capacity))  # recording order kept
         assert rows.token_ids[mine].tolist() == [p + 1000 * q for p in range(capacity)]
+
+
+def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
+    """The destination is handed over without waiting; ``settle`` reads the worker's answer once:
+    a refusal drops the destination (rows then come with the fetch), an error propagates, and the
+    file's name is removed either way."""
+    from uhead_vllm.generation.backends import Placement
+
+    dest = RowDestination(torch.zeros(2, 1, 1), {1: (0, 2)})
+    unnamed, asked = [], []
+    accepted = Placement(dest, lambda: asked.append(1) or True, lambda: unnamed.append("ok"))
+    assert accepted.settle() is dest and accepted.settle() is dest and asked == [1] and unnamed == ["ok"]
+    assert Placement(dest, lambda: False, lambda: unnamed.append("no")).settle() is None and unnamed[-1] == "no"
+
+    def fails() -> bool:
+        raise RuntimeError("worker failed")
+
+    with pytest.raises(RuntimeError, match="worker failed"):
+        Placement(dest, fails, lambda: unnamed.append("failed")).settle()
+    assert unnamed[-1] == "failed"
+    assert Placement(None).settle() is None
