@@ -10,9 +10,11 @@ once per process); the parent writes ``bench-<shape>.json`` and ``bench-<shape>.
 process (each with vLLM's default engine-core process, Model Runner V2) and alternates their runs,
 PAIRED_REPS of each per batch size: the ratio of the medians is then free of the process-to-process
 speed differences (±20% on the lent machines) that the one-process-per-configuration ratios carry.
+``--paired --split`` adds two alternating series, the generator's request form sent untagged to
+each engine: the request form's price on the plain engine, the aux outputs' on the capturing one.
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
-    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired ...
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split] ...
 """
 
 from __future__ import annotations
