@@ -364,7 +364,8 @@ class VllmHiddenStatesGenerator:
         last_rows = [end - 1 for q, end in zip(seqs, bounds[1:].tolist()) if q.last]
         if last_rows:
             valid[last_rows] = False
-        missing_before = int(_invalid_per_seq(valid, bounds).sum()) - len(last_rows)
+        invalid = _invalid_per_seq(valid, bounds)
+        missing_before = int(invalid.sum()) - len(last_rows)
         stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_shared_prefix - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
@@ -375,7 +376,7 @@ class VllmHiddenStatesGenerator:
             for q, k in zip(seqs, keys):
                 self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
                                buffer_bytes=occupied.get(buffer_address(q.rows)))
-            complete = (_invalid_per_seq(valid, bounds) == 0).tolist()
+            complete = (invalid == 0).tolist()  # the store's puts leave validity as it was
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for q, k, done in zip(seqs, keys, complete):
                 if not done:

@@ -121,13 +121,12 @@ class AuxClient:
             destination = spec.on(flat, tables=False)
         # Both sides hold their mappings once the worker answered: the memory goes with the last one.
         unname = functools.partial(files.unname, row_file)
-        answer = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (spec.to_json(),))
-        if answer is None:
-            placement = Placement(destination, lambda: any(self.llm.collective_rpc(
-                "uhead_place_into", args=(spec.to_json(),))), unname)
+        sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (spec.to_json(),))
+        ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(spec.to_json(),))
+        placement = Placement(destination, lambda: any(ask()), unname)
+        if sent is None:  # it cannot go ahead of the requests: ask now, before they are sent
             placement.settle()
-            return placement
-        return Placement(destination, lambda: any(answer()), unname)
+        return placement
 
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core
