@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import os
 import threading
 
@@ -27,6 +26,14 @@ class Gate:
         assert self.opened.wait(10), "placer waited for a copy that never became ready"
 
 
+def meta(positions, tokens=None):
+    """A step's metadata as the recorder hands it to the placer: positions, input tokens (by
+    default 100 + position)."""
+    positions = torch.as_tensor(positions, dtype=torch.int64)
+    tokens = positions + 100 if tokens is None else torch.as_tensor(tokens, dtype=torch.int64)
+    return torch.stack([positions, tokens])
+
+
 def slots(first, capacity, lens, group_row=None):
     """Per-chunk slot facts as the recorder hands them to the placer."""
     a = lambda x: None if x is None else np.asarray(x, dtype=np.int64)  # noqa: E731
@@ -38,24 +45,27 @@ def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
     placer = Placer()
     gate = Gate()
     prefill = torch.arange(10, dtype=torch.float32).view(5, 1, 2)
-    placer.submit(gate, dest, prefill, torch.tensor([0, 1, 2, 0, 1]), slots([0, 4], [4, 6], [3, 2]))
+    placer.submit(gate, dest, prefill, meta([0, 1, 2, 0, 1]), slots([0, 4], [4, 6], [3, 2]))
     assert bool((dest.buffer == -1).all())  # not before the copy is ready
     redo = torch.full((1, 1, 2), 99.0)  # position 1 of tag 7 forwarded again (a rejected draft)
-    placer.submit(gate, dest, redo, torch.tensor([1]), slots([0], [4], [1]))
+    placer.submit(gate, dest, redo, meta([1]), slots([0], [4], [1]))
     gate.opened.set()
     error, seconds = placer.drain()
     assert error is None and seconds > 0
     assert torch.equal(dest.buffer[0], prefill[0]) and torch.equal(dest.buffer[1], redo[0])
     assert torch.equal(dest.buffer[2], prefill[2])
     assert torch.equal(dest.buffer[4:6], prefill[3:5]) and bool((dest.buffer[6:] == -1).all())
+    # each place's token mark is the input token of the row written there; -1 where none was
+    assert dest.tokens.tolist() == [100, 101, 102, -1, 100, 101, -1, -1, -1, -1]
 
 
 def test_in_one_placed_batch_the_last_row_for_a_place_wins_and_rows_of_unknown_tags_never_count():
     dest = RowDestination(torch.full((6, 1, 1), -1.0), {7: (0, 3), 8: (3, 3)})
     rows = torch.arange(6, dtype=torch.float32).view(6, 1, 1)
     # steps joined: tag 7 at 0, 1; an unknown tag (first -1) at 2 -> index 1; tag 7 at 1 again; tag 8 at 0, 0
-    place_step(dest, rows, torch.tensor([0, 1, 2, 1, 0, 0]), slots([0, -1, 0, 3], [3, 0, 3, 3], [2, 1, 1, 2]))
+    place_step(dest, rows, meta([0, 1, 2, 1, 0, 0]), slots([0, -1, 0, 3], [3, 0, 3, 3], [2, 1, 1, 2]))
     assert dest.buffer.flatten().tolist() == [0.0, 3.0, -1.0, 5.0, -1.0, -1.0]
+    assert dest.tokens.tolist() == [100, 101, -1, 100, -1, -1]  # the marks of the rows that won
 
 
 def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():
@@ -63,7 +73,7 @@ def test_rows_past_a_slot_or_of_unknown_tags_are_not_written():
     placer = Placer()
     rows = torch.ones(4, 1, 1)
     # tag 1 at positions 1, 2 (2 is past its capacity), an unknown tag (first = -1), tag 2 at 0
-    placer.submit(None, dest, rows, torch.tensor([1, 2, 0, 0]), slots([0, -1, 2], [2, 0, 2], [2, 1, 1]))
+    placer.submit(None, dest, rows, meta([1, 2, 0, 0]), slots([0, -1, 2], [2, 0, 2], [2, 1, 1]))
     assert placer.drain()[0] is None
     assert dest.buffer.flatten().tolist() == [0.0, 1.0, 1.0, 0.0]
 
@@ -73,8 +83,8 @@ def test_a_failed_placement_is_reported_at_drain_and_later_steps_still_run():
     placer = Placer()
     gate = Gate()
     gate.opened.set()
-    placer.submit(gate, dest, torch.ones(1, 1, 5), torch.tensor([0]), slots([0], [2], [1]))  # wrong width
-    placer.submit(gate, dest, torch.ones(1, 1, 3), torch.tensor([1]), slots([0], [2], [1]))
+    placer.submit(gate, dest, torch.ones(1, 1, 5), meta([0]), slots([0], [2], [1]))  # wrong width
+    placer.submit(gate, dest, torch.ones(1, 1, 3), meta([1]), slots([0], [2], [1]))
     error, _ = placer.drain()
     assert error is not None and "placing captured rows failed" in error
     assert dest.buffer[1].flatten().tolist() == [1.0, 1.0, 1.0]
@@ -112,7 +122,7 @@ def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
     # row 3 (positions 0-1 came from tag 1's blocks); tag 5 (no group) rows 0-1
     rows = torch.tensor([10.0, 11, 12, 13, 22, 23, 42, 43, 50, 51]).view(10, 1, 1)
     group_rows = [dest.group_row[1], dest.group_row[2], dest.group_row[4], -1]
-    placer.submit(None, dest, rows, torch.tensor([0, 1, 2, 3, 2, 3, 2, 3, 0, 1]),
+    placer.submit(None, dest, rows, meta([0, 1, 2, 3, 2, 3, 2, 3, 0, 1]),
                   slots([0, 5, 15, 20], [5, 5, 5, 5], [4, 2, 2, 2], group_rows))
     assert placer.drain()[0] is None
     b = dest.buffer.flatten().tolist()
@@ -123,6 +133,12 @@ def test_prompt_rows_also_reach_the_slots_sharing_them_below_the_limit_only():
         assert b[first + 3 : first + 5] == [generated, 0]
     assert b[15:20] == [10, 11, 42, 43, 0]  # the shared block from tag 1, its own third token
     assert b[20:25] == [50, 51, 0, 0, 0]  # no group: nothing mirrored
+    # Marks: a member's own rows carry their token, rows from another member -2 - token. Tag 2's
+    # own row at position 2 stays its own (a shared write never goes over it); tag 3 forwarded nothing.
+    t = dest.tokens.tolist()
+    assert t[0:5] == [100, 101, 102, 103, -1] and t[5:10] == [-100 - 2, -101 - 2, 102, 103, -1]
+    assert t[10:15] == [-102, -103, -104, -1, -1]
+    assert t[15:20] == [-102, -103, 102, 103, -1] and t[20:25] == [100, 101, -1, -1, -1]
 
 
 def test_one_group_of_thousands_of_requests_stays_small_and_every_member_gets_the_shared_rows():
@@ -137,7 +153,7 @@ def test_one_group_of_thousands_of_requests_stays_small_and_every_member_gets_th
     rows = torch.tensor([1.0, 2, 3] + own).view(-1, 1, 1)
     positions = torch.tensor([0, 1, 2, 3] + [3] * (n - 1))
     place = Placer()
-    place.submit(None, dest, rows, positions, slots([5 * t for t in range(n)], [5] * n, [4] + [1] * (n - 1),
+    place.submit(None, dest, rows, meta(positions), slots([5 * t for t in range(n)], [5] * n, [4] + [1] * (n - 1),
                                                      [dest.group_row[t] for t in range(n)]))
     assert place.drain()[0] is None
     b = dest.buffer.view(n, 5)
@@ -175,9 +191,9 @@ def test_destination_refuses_slots_outside_its_buffer():
 
 def _shared(files, shape, slots, groups=()):
     """What AuxClient.place_into does: a file from ``files``, its spec, and the engine side's view."""
-    from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.capture.protocol import SharedDestination, destination_nbytes
 
-    row_file, flat = files.take(math.prod(shape) * 2)  # bfloat16
+    row_file, flat = files.take(destination_nbytes(shape, "bfloat16"))
     spec = SharedDestination(row_file.path, shape, "bfloat16", slots, row_file.file_id, list(groups),
                              row_file.key, row_file.nbytes, tuple(files.keys()))
     return row_file, spec, spec.on(flat)
@@ -233,9 +249,10 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     theirs3.buffer[4] = 3.0
     assert bool((mine3.buffer[4] == 3.0).all()) and mine3.buffer.shape == (5, 2, 3)
     assert files.idle_bytes() == 0
-    assert first.nbytes == 128  # 72 bytes asked: files are sized to a power of two
-    too_small = dataclasses.replace(spec3, shape=(12, 2, 3), slots={3: (0, 12)})
-    with pytest.raises(ValueError, match="holds 128 bytes, the destination needs 144"):
+    # 72 bytes of rows and 6 token marks after them (at 128, aligned): files are sized to a power of two
+    assert first.nbytes == 256 and spec.nbytes == 152
+    too_small = dataclasses.replace(spec3, shape=(24, 2, 3), slots={3: (0, 24)})
+    with pytest.raises(ValueError, match="holds 256 bytes, the destination needs 416"):
         too_small.open(mapped)
     del mine3, theirs3
     gc.collect()
@@ -244,14 +261,13 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     assert files.keys() == []
 
 
-def test_placed_rows_cross_a_process_boundary_as_metadata_only():
+def test_placed_rows_cross_a_process_boundary_as_a_count():
     from uhead_vllm.capture.protocol import CapturedRows, decode_rows, encode_rows
 
-    z = torch.tensor([3, 3], dtype=torch.int64)
-    rows = CapturedRows((0, 2), [], z, z * 0, torch.tensor([0, 1]), torch.tensor([11, 12]),
-                        torch.tensor([0, 2]), placed=True)
-    back = decode_rows(encode_rows(rows))
-    assert back.placed and back.hidden_parts == [] and back.positions.tolist() == [0, 1]
+    back = decode_rows(encode_rows(CapturedRows.placed_into_destination((0, 2), 7)))
+    assert back.placed and back.num_rows == 7 and back.hidden_parts == [] and back.layers == (0, 2)
+    none = decode_rows(encode_rows(CapturedRows.placed_into_destination((0, 2), 0)))
+    assert none.placed and none.num_rows == 0
     with pytest.raises(ValueError, match="placed into the caller's RowDestination"):
         back.hidden
 
@@ -316,9 +332,9 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
     placer = Placer()
     first, later = Gate(), Gate()
     freed = []
-    placer.submit(first, dest, torch.full((1, 1, 1), 1.0), torch.tensor([0]), slots([0], [4], [1]))
+    placer.submit(first, dest, torch.full((1, 1, 1), 1.0), meta([0]), slots([0], [4], [1]))
     for value in (2.0, 3.0, 4.0):  # queue up while the thread waits for the first copy; the last wins
-        placer.submit(later, dest, torch.full((1, 1, 1), value), torch.tensor([1]), slots([0], [4], [1]),
+        placer.submit(later, dest, torch.full((1, 1, 1), value), meta([1]), slots([0], [4], [1]),
                       done=lambda v=value: freed.append(v))
     first.opened.set()
     later.opened.set()
@@ -329,31 +345,43 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
         def synchronize(self) -> None:
             raise RuntimeError("device lost")
 
-    placer.submit(Broken(), dest, torch.full((2, 1, 1), 9.0), torch.tensor([2, 3]), slots([0], [4], [2]),
+    placer.submit(Broken(), dest, torch.full((2, 1, 1), 9.0), meta([2, 3]), slots([0], [4], [2]),
                   done=lambda: freed.append("broken"))
     error, _ = placer.drain()
     assert error is not None and "device lost" in error
     assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 0.0] and freed[-1] == "broken"
 
 
-def test_shared_rows_count_only_below_the_prefix_the_prompts_really_share_and_never_after_a_wrong_row():
-    from uhead_vllm.generation.prefix_groups import credited_shared_rows
+def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token():
+    from types import SimpleNamespace
 
-    # sequences 0, 1 sample one prompt [5, 6, 7]; sequence 2's prompt shares [5, 6] (one block of 2)
-    # but vLLM ran sequence 1's prompt as [5, 6, 9] (tokenized differently than counted)
-    prompts = [np.array([5, 6, 7]), np.array([5, 6, 9]), np.array([5, 6, 8])]
-    num_rows = np.array([4, 4, 4])
-    cum = np.array([0, 4, 8, 12])
-    groups = [(3, [0, 1]), (2, [0, 1, 2])]
-    # sequence 0 forwarded positions 0-3 (position 1 with a wrong token); the others only their own tail
-    rows = np.array([0, 1, 2, 3, 6, 7, 10, 11])
-    matched = np.array([True, False, True, True, True, True, True, True])
-    targets, good = credited_shared_rows(prompts, num_rows, cum, groups, rows, matched)
-    credited = dict(zip(targets.tolist(), good.tolist()))
-    # position 0: forwarded and right, shared by all three; position 1: a wrong row reached every slot
-    assert [credited[r] for r in (0, 4, 8)] == [True] * 3 and [credited[r] for r in (1, 5, 9)] == [False] * 3
-    # position 2 is past what sequences 0 and 1 really share ([5, 6]): never credited from the group
-    assert credited[2] is False and credited[6] is False and 10 not in credited
+    from uhead_vllm.generation.generator import VllmHiddenStatesGenerator
+
+    # two samples of the prompt [5, 6, 7] (tags 1, 2; slots of 5 rows); tag 1 forwards the prompt
+    # and one generated row, tag 2 only its last prompt row and a generated one (the rest came from
+    # the prefix cache); a third sequence (tag 3) got a wrong token at position 1
+    dest = RowDestination(torch.zeros(15, 1, 1), {1: (0, 5), 2: (5, 5), 3: (10, 5)}, [(3, (1, 2))])
+    chunks = slots([0, 5, 10], [5, 5, 5], [4, 2, 3], [dest.group_row[1], dest.group_row[2], -1])
+    place_step(dest, torch.ones(9, 1, 1), meta([0, 1, 2, 3, 2, 3, 0, 1, 2], [5, 6, 7, 8, 7, 9, 5, 0, 7]), chunks)
+
+    def seq(index, ids, prompt=(5, 6, 7)):
+        return SimpleNamespace(expected=torch.tensor(ids), prompt_index=index,
+                               request_output=SimpleNamespace(prompt_token_ids=list(prompt)))
+
+    seqs = [seq(0, [5, 6, 7, 8]), seq(0, [5, 6, 7, 9]), seq(1, [5, 6, 7])]
+    rendered = [({"prompt_token_ids": [5, 6, 7]}, "a"), ({"prompt_token_ids": [5, 6, 7]}, "b")]
+    lens, first, capacity = np.array([4, 4, 3]), np.array([0, 5, 10]), np.array([5, 5, 5])
+    check = VllmHiddenStatesGenerator._check_placed
+    shared, valid = check(seqs, lens, first, capacity, dest.marks, rendered)
+    # tag 2's positions 0-1 came from tag 1 (shared, counted); the wrong token never counts
+    assert valid.tolist() == [True] * 8 + [True, False, True] and shared == 2
+    # vLLM ran another prompt than the groups were built from: shared rows no longer count
+    seqs[1].request_output.prompt_token_ids = [5, 6, 4]
+    shared, valid = check(seqs, lens, first, capacity, dest.marks, rendered)
+    assert valid.tolist() == [True] * 4 + [False, False, True, True] + [True, False, True] and shared == 0
+    # a slot shorter than its sequence (vLLM's prompt longer than planned): rows past it are invalid
+    shared, valid = check(seqs[:1], np.array([4]), np.array([0]), np.array([2]), dest.marks, rendered)
+    assert valid.tolist() == [True, True, False, False]
 
 
 def test_the_placer_thread_writes_a_large_step_as_place_step_does():
@@ -369,11 +397,11 @@ def test_the_placer_thread_writes_a_large_step_as_place_step_does():
     tags = list(range(64))
     expected_dest = RowDestination(torch.zeros(64 * 64, 1, width), slots_of, groups)
     chunks = slots([slots_of[t][0] for t in tags], [64] * 64, [32] * 64, [expected_dest.group_row[t] for t in tags])
-    placer_module.place_step(expected_dest, rows, positions, chunks)  # one thread
+    placer_module.place_step(expected_dest, rows, meta(positions), chunks)  # one thread
     dest = RowDestination(torch.zeros(64 * 64, 1, width), slots_of, groups)
     placer = Placer()
     gate = Gate()
-    placer.submit(gate, dest, rows, positions, chunks)  # the placer thread
+    placer.submit(gate, dest, rows, meta(positions), chunks)  # the placer thread
     gate.opened.set()
     assert placer.drain()[0] is None
     assert torch.equal(dest.buffer, expected_dest.buffer) and bool(dest.buffer.abs().sum(-1).gt(0).sum() == 64 * 32)
@@ -443,9 +471,9 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
         q = req_ids.index(r)
         want = torch.tensor([[[value(j, q, p)] * hidden for j in layers] for p in range(capacity)]).to(model_dtype)
         assert torch.equal(dest.buffer[t * capacity : (t + 1) * capacity], want.to(torch.bfloat16)), r
-        mine = rows.tags == t
-        assert rows.positions[mine].tolist() == list(range(capacity))  # recording order kept
-        assert rows.token_ids[mine].tolist() == [p + 1000 * q for p in range(capacity)]
+        # each row's input token marks its place: the engine side checks rows by these alone
+        assert dest.tokens[t * capacity : (t + 1) * capacity].tolist() == [p + 1000 * q for p in range(capacity)]
+    assert rows.tags.numel() == 0 and rows.hidden_parts == []  # placed rows come back as a count
 
 
 def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():

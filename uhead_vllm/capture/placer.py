@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .protocol import RowDestination
+from .protocol import RowDestination, shared_mark
 
 
 #: Rows copied per numpy assignment when a shared prompt row fans out to the members of a group.
@@ -46,17 +46,19 @@ class ChunkSlots:
                    np.concatenate([p.lens for p in parts]), rows)
 
 
-def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor, chunks: ChunkSlots) -> None:
+def place_step(dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor, chunks: ChunkSlots) -> None:
     """Scatter one step's rows ``hidden[r]`` to ``dest.buffer[first + positions[r]]`` (within
-    capacity), and prompt rows also to the slots that share them (below each one's limit). Of rows
-    bound for one place (a position forwarded again after a rejected draft) the last is written.
+    capacity) and their input tokens to ``dest.tokens`` there, and prompt rows also to the slots
+    that share them (below each one's limit, marked as shared, never over a row the slot's own
+    request wrote). Of rows bound for one place (a position forwarded again after a rejected
+    draft) the last is written. ``meta`` is ``[2, R]``: positions, input token ids.
 
     The index is numpy arithmetic on a few hundred integers; the copy is one numpy fancy-index
     assignment of byte rows, which runs without the GIL. So the placer thread takes the GIL twice
     per step and never competes with the engine's Python loop for long (torch's ``index_copy_``
     here was 3-4x slower and took several GIL round trips per step).
     """
-    pos = positions.numpy()
+    pos, tokens = meta.numpy()
     first = np.repeat(chunks.first, chunks.lens)
     index = first + pos
     inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
@@ -69,16 +71,19 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, positions: torch.Tens
             inside[kept[kept.size - 1 - last]] = True
     if inside.all():
         dest.byte_rows[index] = rows
+        dest.marks[index] = tokens
     else:
         dest.byte_rows[index[inside]] = rows[inside]
+        dest.marks[index[inside]] = tokens[inside]
     if chunks.group_row is not None:
-        _place_shared(dest, rows, pos, np.repeat(chunks.group_row, chunks.lens), inside)
+        _place_shared(dest, rows, pos, tokens, np.repeat(chunks.group_row, chunks.lens), inside)
 
 
-def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, k: np.ndarray,
+def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, tokens: np.ndarray, k: np.ndarray,
                   inside: np.ndarray) -> None:
     """Prompt rows into the slots of the other members of the largest group whose limit is above
-    the row's position (for two members that is the deepest group they share: the groups nest)."""
+    the row's position (for two members that is the deepest group they share: the groups nest);
+    a place already holding its own request's row keeps it."""
     shared = np.flatnonzero(inside & (pos < dest.reach[k]))
     if not shared.size:  # decode steps: every position is past its prompt
         return
@@ -91,9 +96,13 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, k: np
     src = np.repeat(shared, count)
     other = member != np.repeat(dest.member_index[k[shared]], count)  # never onto itself
     to, src = dest.member_first[member[other]] + pos[src[other]], src[other]
+    free = dest.marks[to] < 0  # not a row its own request forwarded
+    to, src = to[free], src[free]
+    marks = shared_mark(tokens[src])
     for a in range(0, len(src), SHARED_WRITES_PER_COPY):  # a shared block fans out to every member:
         b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
         dest.byte_rows[to[a:b]] = rows[src[a:b]]
+        dest.marks[to[a:b]] = marks[a:b]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -110,11 +119,12 @@ class Placer:
         self._error: str | None = None
         self._seconds = 0.0
 
-    def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, positions: torch.Tensor,
+    def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor,
                chunks: ChunkSlots, done: Callable[[], None] | None = None) -> None:
-        """Place a step once ``ready`` (a CUDA event, or None for rows already on the host);
-        ``done`` runs after it, placed or not (it frees the step's staging memory)."""
-        item = (ready, dest, hidden, positions, chunks, done)
+        """Place a step (``meta``: positions and input tokens, see :func:`place_step`) once
+        ``ready`` (a CUDA event, or None for rows already on the host); ``done`` runs after it,
+        placed or not (it frees the step's staging memory)."""
+        item = (ready, dest, hidden, meta, chunks, done)
         if ready is None and self._thread is None:
             self._place([item])
             return
@@ -158,12 +168,12 @@ class Placer:
             waited = None
         except Exception as exc:
             waited = exc
-        for _, dest, hidden, positions, chunks, done in items:
+        for _, dest, hidden, meta, chunks, done in items:
             try:
                 if waited is not None:
                     raise waited
                 start = time.perf_counter()
-                place_step(dest, hidden, positions, chunks)
+                place_step(dest, hidden, meta, chunks)
                 self._seconds += time.perf_counter() - start
             except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
                 if self._error is None:

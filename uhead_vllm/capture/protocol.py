@@ -24,6 +24,16 @@ CAPTURE_KEY = "uhead_vllm"
 EXTENSION_QUALNAME = "uhead_vllm.capture.extension.UheadCaptureExtension"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: A destination's token mark where no row was written (see :class:`RowDestination`).
+UNWRITTEN = -1
+#: Alignment of the token marks after the rows in a shared row file.
+_TOKENS_ALIGN = 64
+
+
+def shared_mark(tokens: np.ndarray) -> np.ndarray:
+    """The token mark of rows another member of a prefix group wrote: ``-2 - token`` (never
+    :data:`UNWRITTEN`, never a token id)."""
+    return -2 - tokens
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,8 @@ class CapturedRows:
     copied into); ``hidden`` concatenates them once, on first use, and ``hidden_parts`` yields
     them as they are, for a consumer that can place rows part by part without that extra copy.
     ``placed`` rows were written into the caller's :class:`RowDestination` during the generation
-    instead: then there are no hidden parts, and the metadata says which rows were written.
+    instead: then there are no hidden parts and no per-row metadata (the destination's token marks
+    say which rows were written), only their count, ``placed_rows``.
     """
 
     layers: tuple[int, ...]
@@ -125,6 +136,7 @@ class CapturedRows:
     error: str | None = None
     stats: dict = field(default_factory=dict)
     placed: bool = False
+    placed_rows: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.hidden_parts, torch.Tensor):
@@ -143,7 +155,14 @@ class CapturedRows:
 
     @property
     def num_rows(self) -> int:
-        return int(self.tags.numel())
+        return self.placed_rows if self.placed else int(self.tags.numel())
+
+    @classmethod
+    def placed_into_destination(cls, layers: tuple[int, ...], count: int) -> "CapturedRows":
+        """``count`` rows written into the caller's :class:`RowDestination` (nothing else to hand over)."""
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls(layers=layers, hidden_parts=[], tags=z, samples=z, positions=z, token_ids=z,
+                   chunk_offsets=torch.zeros(1, dtype=torch.int64), placed=True, placed_rows=count)
 
     def chunks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(tag, sample, positions, token_ids, hidden) per scheduled chunk."""
@@ -166,8 +185,11 @@ class RowDestination:
     pages never written are never touched, so the unused tail costs address space, not memory
     (a shared file handed out again keeps the pages earlier calls touched).
     Rows then reach their final place while the engine still generates, instead of in one copy
-    after it; the metadata (:class:`CapturedRows` with ``placed=True``) still comes back through
-    fetch, so every row is still checked against the sequence's token before it is used.
+    after it. With each row the worker writes its input token into ``tokens`` (the place's mark:
+    the token, ``shared_mark(token)`` for a row a group member wrote, :data:`UNWRITTEN` where no
+    row came), so the engine side checks every row against the sequence's token there without any
+    per-row metadata coming back (:class:`CapturedRows` with ``placed=True`` is just a count). The
+    engine side resets the marks before each generation.
 
     ``groups`` are ``(limit, tags)``: requests whose prompts agree on their first ``limit`` tokens
     (the samples of one prompt; prompts sharing a chat template's blocks), a laminar family (two
@@ -180,7 +202,9 @@ class RowDestination:
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
     groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # [total capacity] int32 marks (None: new, all UNWRITTEN)
     byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
+    marks: np.ndarray = field(init=False, repr=False)  # ``tokens`` as numpy
     # The groups as nested member ranges (each group's members are contiguous in ``member_first``,
     # the slots' first rows in that order): per grouped tag (row ``group_row[tag]``; the last row:
     # no group) its groups outer to inner with their limits (-1 / int64 max padding) and its own
@@ -199,6 +223,11 @@ class RowDestination:
         if self.buffer.device.type != "cpu" or self.buffer.dim() != 3 or not self.buffer.is_contiguous():
             raise ValueError("RowDestination.buffer must be a contiguous [rows, layers, hidden] host tensor")
         self.byte_rows = self.buffer.view(torch.uint8).numpy().reshape(self.buffer.shape[0], -1)
+        if self.tokens is None:
+            self.tokens = torch.full((self.buffer.shape[0],), UNWRITTEN, dtype=torch.int32)
+        if self.tokens.dtype != torch.int32 or self.tokens.shape != self.buffer.shape[:1]:
+            raise ValueError("RowDestination.tokens must be int32 with one mark per buffer row")
+        self.marks = self.tokens.numpy()
         end = max((a + n for a, n in self.slots.values()), default=0)
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
@@ -280,8 +309,8 @@ class SharedDestination:
 
     @property
     def nbytes(self) -> int:
-        rows, layers, hidden = self.shape
-        return rows * layers * hidden * _DTYPES[self.dtype].itemsize
+        """Bytes of the file the destination uses: the rows, then one int32 token mark per row."""
+        return destination_nbytes(self.shape, self.dtype)
 
     def open(self, mapped: dict[str, torch.Tensor] | None = None) -> RowDestination:
         """Map the engine side's file as the destination buffer; with ``mapped`` (the worker's
@@ -311,18 +340,35 @@ class SharedDestination:
         if flat.numel() < self.nbytes:
             raise ValueError(f"shared row file {self.key or self.path} holds {flat.numel()} bytes, "
                              f"the destination needs {self.nbytes}")
-        buffer = flat[: self.nbytes].view(_DTYPES[self.dtype]).view(self.shape)
-        return RowDestination(buffer, dict(self.slots), list(self.groups), tables=tables)
+        rows = _rows_nbytes(self.shape, self.dtype)
+        buffer = flat[:rows].view(_DTYPES[self.dtype]).view(self.shape)
+        at = _aligned(rows)
+        tokens = flat[at : at + 4 * self.shape[0]].view(torch.int32)
+        return RowDestination(buffer, dict(self.slots), list(self.groups), tokens, tables=tables)
+
+
+def destination_nbytes(shape: tuple[int, int, int], dtype: str) -> int:
+    """Bytes of a shared row file holding rows of ``shape`` in ``dtype`` and their token marks."""
+    return _aligned(_rows_nbytes(shape, dtype)) + 4 * shape[0]
+
+
+def _rows_nbytes(shape: tuple[int, int, int], dtype: str) -> int:
+    rows, layers, hidden = shape
+    return rows * layers * hidden * _DTYPES[dtype].itemsize
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _TOKENS_ALIGN) * _TOKENS_ALIGN
 
 
 def encode_rows(rows: CapturedRows) -> bytes:
     """Serialize to safetensors bytes (metadata carries layers, error and worker stats as JSON).
-    Placed rows carry their metadata only: the hidden rows are already in the shared buffer."""
+    Placed rows are a count: the rows and their token marks are already in the shared file."""
     meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats)}
     if rows.error:
         meta["error"] = rows.error
     if rows.placed:
-        meta["placed"] = "1"
+        meta["placed"] = str(rows.placed_rows)
     tensors = {
         "tags": rows.tags, "samples": rows.samples, "positions": rows.positions,
         "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets,
@@ -340,7 +386,7 @@ def decode_rows(payload: bytes) -> CapturedRows:
     meta = _read_metadata(bytes(payload))
     return CapturedRows(
         layers=tuple(json.loads(meta["layers"])), hidden_parts=[t["hidden"]] if "hidden" in t else [],
-        placed=meta.get("placed") == "1", tags=t["tags"],
+        placed="placed" in meta, placed_rows=int(meta.get("placed", 0)), tags=t["tags"],
         samples=t["samples"], positions=t["positions"], token_ids=t["token_ids"],
         chunk_offsets=t["chunk_offsets"], error=meta.get("error"),
         stats=json.loads(meta.get("stats", "{}")),
@@ -368,6 +414,6 @@ def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, co
 
 
 __all__ = [
-    "CAPTURE_KEY", "EXTENSION_QUALNAME", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination", "SharedDestination",
-    "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
+    "CAPTURE_KEY", "EXTENSION_QUALNAME", "UNWRITTEN", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination",
+    "SharedDestination", "destination_nbytes", "shared_mark", "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
 ]

@@ -6,7 +6,7 @@ tagged rows on the device (a slice per contiguous run of tagged requests, usuall
 the hot path waits for the device. When the engine side gave a :class:`RowDestination` (its own
 tensor in this process, or a shared-memory file), steps collect in a device buffer and go to
 pinned memory a batch at a time (step_batch.py), then straight into the destination during the
-generation (placer.py); only their metadata is kept. Without one, each step is copied to pinned
+generation (placer.py), each with its input token; only their count is kept. Without one, each step is copied to pinned
 memory asynchronously and kept. ``take`` waits once and assembles one :class:`CapturedRows`.
 
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
@@ -46,7 +46,7 @@ class _Step:
     tags: np.ndarray  # [C] per chunk (one chunk per tagged request in the step)
     samples: np.ndarray  # [C]
     lens: np.ndarray  # [C] rows per chunk
-    hidden: torch.Tensor | None  # [R, L, H] host (pinned when the step ran on a GPU); None once placed
+    hidden: torch.Tensor  # [R, L, H] host (pinned when the step ran on a GPU)
     meta: torch.Tensor  # [2, R] int64 host: positions, input token ids
 
 
@@ -86,6 +86,7 @@ class RowRecorder:
     rows_expected: int = 0  # rows of tagged requests vLLM scheduled (so computed)
     rows_recorded: int = 0
     scheduled_rows: int = 0  # tagged rows scheduled in the step that is running now
+    rows_placed: int = 0  # rows handed to the placer for the destination (this generation)
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _untagged: int = 0  # live requests in ``_tags`` without a tag
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -245,15 +246,12 @@ class RowRecorder:
 
     def _submit(self, steps: list[tuple[tuple, int]], hidden: torch.Tensor, meta: torch.Tensor, ready: object,
                 release: Callable[[], None] | None) -> None:
-        """Hand consecutive steps' host rows to the placer as one (they go to the destination once
-        ``ready``) and keep each step's metadata until the take."""
+        """Hand consecutive steps' host rows and metadata to the placer as one (they go to the
+        destination once ``ready``); only their count is kept until the take."""
         slots = [facts[3] for facts, _ in steps]
-        self._placer.submit(ready, self.destination, hidden, meta[0],
+        self._placer.submit(ready, self.destination, hidden, meta,
                             slots[0] if len(slots) == 1 else ChunkSlots.joined(slots), release)
-        o = 0
-        for (tags, samples, lens, _), n in steps:
-            self.steps.append(_Step(tags, samples, lens, None, meta[:, o : o + n]))
-            o += n
+        self.rows_placed += sum(n for _, n in steps)
 
     def _to_host(self, hidden: torch.Tensor, meta: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:
@@ -261,8 +259,8 @@ class RowRecorder:
         pinned memory, on a stream of its own (one wait, one event for both), so the next step's
         forward never queues behind the copies; the third value is the copies' event (None on
         CPU). With a destination the rows go through the placer's ring (the fourth value frees
-        their region once placed; None: nothing to free) and the metadata, kept until the take,
-        into the arena (see staging.py)."""
+        their region once placed; None: nothing to free) and the metadata (positions and tokens
+        for the placer) into the arena, freed at the take (see staging.py)."""
         if hidden.device.type != "cuda":
             return hidden, meta, None, None  # already new tensors (stack/cat copies), never engine buffers
         if self._copy_stream is None:
@@ -303,7 +301,7 @@ class RowRecorder:
     # ------------------------------------------------------------------ fetch
     def place_into(self, destination: RowDestination | None) -> None:
         """Write the rows of the coming generation into ``destination`` (until the next ``take``)."""
-        if self.steps or (self._batcher is not None and self._batcher.pending):
+        if self.steps or self.rows_placed or (self._batcher is not None and self._batcher.pending):
             raise RuntimeError("rows of an earlier generation are still held: take them first")
         self.destination = destination
         self._batch = None  # its slots are the destination's
@@ -320,13 +318,16 @@ class RowRecorder:
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                  "rows_recorded": self.rows_recorded, "bytes": self.bytes_held,
                  "record_seconds": round(self.record_seconds, 6), "place_seconds": round(place_seconds, 6)}
-        rows = self._rows(self.steps)  # new tensors: the arena's metadata memory is free again
+        if self.destination is not None:
+            rows = CapturedRows.placed_into_destination(tuple(self.settings.layers), self.rows_placed)
+        else:
+            rows = self._rows(self.steps)  # new tensors: the arena's metadata memory is free again
         if self._arena is not None:
             self._arena.reset()
         rows.error = self.error or placing_error
         rows.stats = stats
         self.steps = []
-        self.bytes_held = 0
+        self.bytes_held = self.rows_placed = 0
         self.error = None
         self.destination = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
@@ -384,11 +385,9 @@ class RowRecorder:
                               self.settings.num_columns)
         lens = torch.from_numpy(np.concatenate([s.lens for s in steps]))
         meta = torch.cat([s.meta for s in steps], dim=1)
-        placed = steps[0].hidden is None
         return CapturedRows(
             layers=tuple(self.settings.layers),
-            hidden_parts=[] if placed else [s.hidden for s in steps],
-            placed=placed,
+            hidden_parts=[s.hidden for s in steps],
             tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in steps])), lens),
             samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in steps])), lens),
             positions=meta[0].contiguous(),

@@ -30,9 +30,9 @@ MAX_STEPS = 16
 #: copy stream, so copies finish in order): host rows, host metadata, event, release.
 ToHost = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Any, Callable[[], None] | None]]
 #: Called once per flush: ``(steps, rows, meta, ready, release)`` with each step's ``(facts, rows)``
-#: in recording order, their host rows [R, C, H] and metadata [2, R] one after another (the
-#: metadata valid until the recorder's take), the CUDA event after which both hold data (None on
-#: CPU) and what frees the rows' staging (or None).
+#: in recording order, their host rows [R, C, H] and metadata [2, R] one after another (on CPU
+#: valid during the call only), the CUDA event after which both hold data (None on CPU) and what
+#: frees the rows' staging (or None).
 Sink = Callable[[list[tuple[Any, int]], torch.Tensor, torch.Tensor, Any, Callable[[], None] | None], None]
 
 
@@ -104,8 +104,8 @@ class StepBatcher:
             following = self._buffers[self._active]
             if following.copied is not None:  # its last batch must have left before it is written
                 torch.cuda.current_stream(following.rows.device).wait_event(following.copied)
-        else:  # placed at once by the sink (no copy in flight); only the metadata is kept
-            rows, meta, ready, release = buf.rows[:used], buf.meta[:, :used].clone(), None, None
+        else:  # placed at once by the sink (no copy in flight)
+            rows, meta, ready, release = buf.rows[:used], buf.meta[:, :used], None, None
         self.sink(pending, rows, meta, ready, release)
 
     def discard(self) -> None:

@@ -22,12 +22,12 @@ import torch
 
 from ..adapters import engine as engine_internals
 from ..capture.points import ALIASES
-from ..capture.protocol import CapturedRows, RequestTag, RowDestination
+from ..capture.protocol import CapturedRows, RequestTag, RowDestination, shared_mark
 from ..errors import UheadError
 from .assembly import place_rows
 from .backends import Placement, open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
-from .prefix_groups import credited_shared_rows, prefix_groups
+from .prefix_groups import prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import CAPTURE_CACHE_SALT, SteeredRequest, steer_request, step_key
@@ -355,7 +355,8 @@ class VllmHiddenStatesGenerator:
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
         seqs = self._sequences(rendered, owners, steering, request_outputs, last)
-        stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), captured, destination)
+        stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), captured, destination,
+                                                                       rendered)
         bounds = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum([q.num_rows for q in seqs], out=bounds[1:])
         # The final token is never forwarded in context during generation; a row at its position
@@ -473,65 +474,28 @@ class VllmHiddenStatesGenerator:
                                       [(limit, tags) for limit, tags in groups if limit > 0])
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
-                          destination: RowDestination | None) -> tuple[int, torch.Tensor]:
+                          destination: RowDestination | None, rendered: list[tuple[Any, str]]
+                          ) -> tuple[int, torch.Tensor]:
         """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
 
-        A captured row counts only where its tag is ours, its position lies inside the sequence
-        and its input token equals the sequence's token there; with speculative decoding, rows
-        after a rejected draft are forwarded again, and the last row forwarded at a position is
-        the one that counts. Rows the worker already wrote into ``destination`` are only checked;
-        otherwise they are copied into a new buffer with one vectorised scatter. Each sequence's
+        Rows the worker wrote into ``destination`` are only checked (:meth:`_check_placed`);
+        otherwise they are copied into a new buffer (:meth:`_copy_captured`). Each sequence's
         ``rows`` / ``valid`` are views of the shared buffers. Returns the rows another request of
-        the call wrote (:meth:`_shared_prefix_rows`) and the validity of every sequence's rows, one
-        after another (each ``valid`` is a view of it).
+        the call wrote (prompt rows of a prefix group) and the validity of every sequence's rows,
+        one after another (each ``valid`` is a view of it).
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
-        lens = torch.tensor([q.num_rows for q in seqs], dtype=torch.int64)
-        cum = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        cum[1:] = lens.cumsum(0)
-        total = int(cum[-1])
+        lens = np.fromiter((q.num_rows for q in seqs), np.int64, len(seqs))
+        from_shared = 0
         if destination is not None:
             buffer = destination.buffer
-            first = torch.tensor([destination.slots[t][0] for t in tags], dtype=torch.int64)
-            capacity = torch.tensor([destination.slots[t][1] for t in tags], dtype=torch.int64)
+            first = np.fromiter((destination.slots[t][0] for t in tags), np.int64, len(tags))
+            capacity = np.fromiter((destination.slots[t][1] for t in tags), np.int64, len(tags))
+            from_shared, valid = self._check_placed(seqs, lens, first, capacity, destination.marks, rendered)
         else:
-            dtype = captured.hidden_parts[0].dtype if captured.num_rows else self.client.settings.torch_dtype
-            buffer = host_buffer((total, self.columns, self.hidden_size), dtype)
-            first, capacity = cum[:-1], lens
-        with torch.inference_mode(False):
-            valid = torch.zeros(total, dtype=torch.bool)
-        from_shared = 0
-        if captured.num_rows and total:
-            seq_tags = torch.tensor(tags, dtype=torch.int64)
-            order = torch.argsort(seq_tags)
-            slot = torch.searchsorted(seq_tags[order], captured.tags).clamp_(max=len(tags) - 1)
-            seq = order[slot]
-            pos = captured.positions
-            ours = (seq_tags[seq] == captured.tags) & (pos >= 0) & (pos < torch.minimum(lens, capacity)[seq])
-            row = torch.where(ours, cum[seq] + pos, 0)  # index among all sequences' rows
-            expected = torch.cat([q.expected[: q.num_rows] for q in seqs])
-            match = ours & (captured.token_ids == expected[row])
-            # The row that counts at each position: the last one written (placed: the buffer
-            # holds it) or the last matching one (copied: it is chosen here).
-            candidates = torch.nonzero(ours if destination is not None else match).flatten()
-            last = torch.full((total,), -1, dtype=torch.int64)
-            last.scatter_reduce_(0, row[candidates], candidates, reduce="amax")
-            hit = (last >= 0) & match[last.clamp(min=0)]
-            if destination is None:
-                src = torch.nonzero(match).flatten()
-                if src.numel() == captured.num_rows and int(hit.sum()) == src.numel():
-                    start = 0  # every row used once: one copy, part by part (no concatenation)
-                    for part in captured.hidden_parts:
-                        buffer.index_copy_(0, row[start : start + part.shape[0]], part)
-                        start += part.shape[0]
-                else:
-                    buffer[hit] = captured.hidden[last[hit]]
-            if destination is not None and destination.groups:
-                targets, good = self._shared_prefix_rows(seqs, tags, destination, row[ours], match[ours], cum)
-                from_shared = int((good & ~hit[targets]).sum())
-                hit[targets] = good
-            valid = hit
+            buffer, valid = self._copy_captured(seqs, tags, captured, lens)
+            first, capacity = np.cumsum(lens) - lens, lens
         for q, a, n, c, v in zip(seqs, first.tolist(), lens.tolist(), capacity.tolist(), valid.split(lens.tolist())):
             q.valid = v
             if n <= c:
@@ -543,16 +507,68 @@ class VllmHiddenStatesGenerator:
         return from_shared, valid
 
     @staticmethod
-    def _shared_prefix_rows(seqs: list[_Seq], tags: list[int], destination: RowDestination,
-                            rows: torch.Tensor, matched: torch.Tensor, cum: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which prompt rows of grouped requests hold a right row (see ``credited_shared_rows``)."""
-        index = {t: k for k, t in enumerate(tags)}
-        prompts = [q.request_output.prompt_token_ids for q in seqs]
-        num_rows = np.asarray([q.num_rows for q in seqs], dtype=np.int64)
-        groups = [(limit, [index[t] for t in members]) for limit, members in destination.groups]
-        targets, good = credited_shared_rows(prompts, num_rows, cum.numpy(), groups, rows.numpy(), matched.numpy())
-        return torch.from_numpy(targets), torch.from_numpy(good)
+    def _check_placed(seqs: list[_Seq], lens: np.ndarray, first: np.ndarray, capacity: np.ndarray,
+                      marks: np.ndarray, rendered: list[tuple[Any, str]]) -> tuple[int, torch.Tensor]:
+        """Which rows in the destination are right: those whose token mark is the sequence's
+        token there. The worker wrote the last row forwarded at each place (a position forwarded
+        again after a rejected draft counts once, with its final token) and, below a prefix
+        group's limit, rows of another member, marked as shared. Those count only where every
+        prompt ran as sent (the groups were built from the prompts sent): then the members'
+        tokens agree up to the limit and the row is the same computation. Returns the shared rows
+        that count and the validity of every sequence's rows."""
+        n = np.minimum(lens, capacity)  # rows past a slot were never written
+        starts = np.cumsum(n) - n
+        checked = np.arange(int(n.sum()))
+        expected = np.concatenate([q.expected[:k].numpy() for q, k in zip(seqs, n.tolist())])
+        found = marks[np.repeat(first - starts, n) + checked]
+        shared = found == shared_mark(expected)
+        if shared.any() and any(list(q.request_output.prompt_token_ids) != rendered[q.prompt_index][0]["prompt_token_ids"]
+                                for q in seqs):
+            shared[:] = False  # vLLM ran other prompt ids than the groups were built from
+        ok = (found == expected) | shared
+        if (n == lens).all():
+            return int(shared.sum()), torch.from_numpy(ok)
+        valid = np.zeros(int(lens.sum()), dtype=bool)
+        valid[np.repeat(np.cumsum(lens) - lens - starts, n) + checked] = ok
+        return int(shared.sum()), torch.from_numpy(valid)
+
+    def _copy_captured(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows, lens: np.ndarray
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured rows copied into a new buffer, sequence after sequence, with one vectorised
+        scatter, and their validity. A captured row counts only where its tag is ours, its position
+        lies inside the sequence and its input token equals the sequence's token there; with
+        speculative decoding the last matching row forwarded at a position is the one that counts."""
+        total = int(lens.sum())
+        dtype = captured.hidden_parts[0].dtype if captured.num_rows else self.client.settings.torch_dtype
+        buffer = host_buffer((total, self.columns, self.hidden_size), dtype)
+        with torch.inference_mode(False):
+            valid = torch.zeros(total, dtype=torch.bool)
+        if not captured.num_rows or not total:
+            return buffer, valid
+        n = torch.from_numpy(lens)
+        cum = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        cum[1:] = n.cumsum(0)
+        seq_tags = torch.tensor(tags, dtype=torch.int64)
+        order = torch.argsort(seq_tags)
+        slot = torch.searchsorted(seq_tags[order], captured.tags).clamp_(max=len(tags) - 1)
+        seq = order[slot]
+        pos = captured.positions
+        ours = (seq_tags[seq] == captured.tags) & (pos >= 0) & (pos < n[seq])
+        row = torch.where(ours, cum[seq] + pos, 0)  # index among all sequences' rows
+        expected = torch.cat([q.expected[: q.num_rows] for q in seqs])
+        match = ours & (captured.token_ids == expected[row])
+        candidates = torch.nonzero(match).flatten()
+        last = torch.full((total,), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, row[candidates], candidates, reduce="amax")
+        hit = last >= 0
+        if candidates.numel() == captured.num_rows and int(hit.sum()) == candidates.numel():
+            start = 0  # every row used once: one copy, part by part (no concatenation)
+            for part in captured.hidden_parts:
+                buffer.index_copy_(0, row[start : start + part.shape[0]], part)
+                start += part.shape[0]
+        else:
+            buffer[hit] = captured.hidden[last[hit]]
+        return buffer, hit
 
     @staticmethod
     def _occupied(seqs: list[_Seq]) -> dict[int, int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import threading
 import weakref
 from typing import Any, Iterable
@@ -17,11 +16,13 @@ from ...adapters.versions import check_vllm_version
 from ...capture.protocol import (
     CAPTURE_KEY,
     EXTENSION_QUALNAME,
+    UNWRITTEN,
     CapturedRows,
     CaptureSettings,
     RowDestination,
     SharedDestination,
     decode_rows,
+    destination_nbytes,
 )
 from ...errors import InputError
 from ..host_memory import host_buffer
@@ -110,7 +111,7 @@ class AuxClient:
             placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
             return Placement(destination if placed else None)
         files = shared_row_files(self.llm)
-        taken = files.take(math.prod(shape) * self.settings.torch_dtype.itemsize)
+        taken = files.take(destination_nbytes(shape, dtype))
         if taken is None:  # no room in shared memory: the rows come back with the fetch
             self.fetch()
             return Placement(None)
@@ -119,6 +120,7 @@ class AuxClient:
                                  row_file.key, row_file.nbytes, tuple(files.keys()))
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             destination = spec.on(flat, tables=False)
+        destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks
         # Both sides hold their mappings once the worker answered: the memory goes with the last one.
         unname = functools.partial(files.unname, row_file)
         sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (spec.to_json(),))
