@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -112,25 +112,38 @@ class Runner:
         return LLM(model=model, dtype=model_dtype, enforce_eager=eager, **engine)
 
     def _wrap_fetch(self) -> None:
-        """Time the generator's own fetch and count the bytes of hidden states it hands over
-        (the payload is an object for an in-process engine, safetensors bytes otherwise) and the
-        rows the worker placed straight into the generator's buffer instead."""
-        inner = self.gen.client.fetch
+        """Time the generator's own fetch (sending it and waiting for the answer) and count the
+        bytes of hidden states it hands over (the payload is an object for an in-process engine,
+        safetensors bytes otherwise) and the rows the worker placed straight into the
+        generator's buffer instead."""
+        client = self.gen.client
+        fetch, fetch_later = client.fetch, client.fetch_later
 
-        def fetch() -> Any:
-            t0 = time.perf_counter()
-            rows = inner()
+        def counted(rows: Any) -> Any:
             if rows.placed:  # written into the generator's buffer during the pass
                 self._rows_placed += rows.num_rows
-                item = torch.empty(0, dtype=self.gen.client.settings.torch_dtype).element_size()
+                item = torch.empty(0, dtype=client.settings.torch_dtype).element_size()
                 self._payload_bytes += rows.num_rows * len(self.gen.layers) * self.gen.hidden_size * item
             else:
                 self._payload_bytes += sum(p.numel() * p.element_size() for p in rows.hidden_parts)
             self._rows_forwarded += rows.num_rows
-            self._fetch_seconds += time.perf_counter() - t0
             return rows
 
-        self.gen.client.fetch = fetch
+        def timed(f: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return f()
+                finally:
+                    self._fetch_seconds += time.perf_counter() - t0
+            return run
+
+        def later() -> Callable[[], Any]:
+            wait = timed(fetch_later)()
+            return lambda: counted(timed(wait)())
+
+        client.fetch = lambda: counted(timed(fetch)())
+        client.fetch_later = later
 
     def _wrap_generate(self) -> None:
         """Split our wall time: inside vLLM's generate (forwards + worker-side recording) vs after."""

@@ -15,7 +15,6 @@ Writes ``experiments/results/bench/host_phases.{json,md}`` stamped with the comm
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -23,31 +22,15 @@ import shlex
 import statistics
 import sys
 import time
-from collections import defaultdict
-from typing import Any, Callable
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default form, which this measures
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .env import REPO_ROOT, setup_env  # noqa: E402
+from .phases import time_generator_phases, timed  # noqa: E402
 from experiments import provenance  # noqa: E402
 
 OUT = REPO_ROOT / "experiments" / "results" / "bench"
-GENERATOR_PHASES = ("_pretokenized", "_destination", "_sequences", "_place_first_pass", "_recompute_missing",
-                    "_result")
-
-
-def _timed(times: dict[str, list[float]], label: str, f: Callable) -> Callable:
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return f(*args, **kwargs)
-        finally:
-            times[label].append(time.perf_counter() - start)
-    return wrapper
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
@@ -66,14 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
                     kv_cache_memory_bytes=512 << 20, max_model_len=512, max_num_seqs=args.prompts * args.n,
                     max_num_batched_tokens=4096, seed=0)
     gen = VllmHiddenStatesGenerator(llm)
-    times: dict[str, list[float]] = defaultdict(list)
-    for name in GENERATOR_PHASES:
-        setattr(gen, name, _timed(times, name, getattr(gen, name)))
-    gen.client.fetch = _timed(times, "fetch (RPC)", gen.client.fetch)
-    gen.client.place_into = _timed(times, "place_into (sent, in _destination)", gen.client.place_into)
-    gen.store.put = _timed(times, "store.put", gen.store.put)
-    gen.store.keys = _timed(times, "store.keys", gen.store.keys)
-    llm.generate = _timed(times, "llm.generate", llm.generate)
+    times: dict[str, list[float]] = {}
+    time_generator_phases(gen, times)
+    llm.generate = timed(times, "llm.generate", llm.generate)
     prompts = [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3
                for i in range(args.prompts)]
     sp = SamplingParams(n=args.n, max_tokens=args.tokens, temperature=0.8, ignore_eos=True)

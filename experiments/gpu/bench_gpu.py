@@ -130,6 +130,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     engine it prices the request form, on the capturing engine the aux outputs in its graphs."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
+    from experiments.bench.phases import time_generator_phases, timed
     from experiments.bench.workload import Workload, rendered_prompts
     from transformers import AutoTokenizer
 
@@ -146,6 +147,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                                      engine_settings(shape, paired=True), prompts, big)}
     for runner in runners.values():
         runner.warmup(big)
+    times: dict[str, list[float]] = {}  # the capture generator's host phases (experiments/bench/phases.py)
+    time_generator_phases(runners["ours-graphs"].gen, times)
+    runners["ours-graphs"].llm.generate = timed(times, "llm.generate", runners["ours-graphs"].llm.generate)
     freeze_startup_heap()
     result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {}}
     for b in BATCHES:
@@ -161,13 +165,18 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         seconds = {name: [] for name in ways}
         for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
             way(wl)                # slower for both (allocator, page cache), session 15
+        phases: list[dict[str, float]] = []  # per capture run: seconds per phase
         for _ in range(reps):
             for name, way in ways.items():
+                times.clear()
                 r = way(wl)
                 seconds[name].append(r.seconds)
                 extra[name] = r.extra
+                if name == "ours-graphs":
+                    phases.append({k: sum(v) for k, v in times.items()})
         med = {name: float(np.median(v)) for name, v in seconds.items()}
         result["batches"][str(b * N)] = {
+            "phase_median_seconds": {k: float(np.median([p.get(k, 0.0) for p in phases])) for k in phases[0]},
             "seconds": seconds, "median_seconds": med, "generated_tokens": wl.generated_tokens,
             "ratio_of_medians": med["plain-graphs"] / med["ours-graphs"],
             "ratio_of_best": min(seconds["plain-graphs"]) / min(seconds["ours-graphs"]),
@@ -217,6 +226,15 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
             lines.append(f"| {seqs} | " + " | ".join(
                 f"{med[k]:.3f} ({med['plain-graphs'] / med[k]:.3f})"
                 for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs")) + " |")
+    if "phase_median_seconds" in next(iter(res["batches"].values())):
+        names = list(next(iter(res["batches"].values()))["phase_median_seconds"])
+        lines += ["", "Capture's phases (median ms per call; wall-clock timers around the generator's steps, "
+                  "`llm.generate` includes the engine's recording):", "",
+                  "| phase | " + " | ".join(f"{seqs} seqs" for seqs in res["batches"]) + " |",
+                  "|---|" + "---:|" * len(res["batches"])]
+        for k in names:
+            lines.append(f"| {k} | " + " | ".join(f"{1e3 * r['phase_median_seconds'].get(k, 0.0):.1f}"
+                                                  for r in res["batches"].values()) + " |")
     big = res["batches"][str(max(BATCHES) * N)]["extra"]["ours-graphs"]
     lines += ["", f"Capture at {max(BATCHES) * N} sequences, last run: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()), ""]

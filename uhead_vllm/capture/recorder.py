@@ -85,6 +85,7 @@ class RowRecorder:
     forwards_recorded: int = 0
     rows_expected: int = 0  # rows of tagged requests vLLM scheduled (so computed)
     rows_recorded: int = 0
+    chunks_recorded: int = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
     scheduled_rows: int = 0  # tagged rows scheduled in the step that is running now
     rows_placed: int = 0  # rows handed to the placer for the destination (this generation)
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
@@ -222,6 +223,7 @@ class RowRecorder:
             self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
+        self.chunks_recorded += int(scheduled.size)
 
     def _batch_facts(self, req_ids: list[str]) -> _Batch:
         """This forward's per-request facts, reused while the batch stays the same."""
@@ -316,7 +318,7 @@ class RowRecorder:
             self._copied = None
         stats = {"forwards_seen": self.forwards_seen, "forwards_expected": self.forwards_expected,
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
-                 "rows_recorded": self.rows_recorded, "bytes": self.bytes_held,
+                 "rows_recorded": self.rows_recorded, "chunks_recorded": self.chunks_recorded, "bytes": self.bytes_held,
                  "record_seconds": round(self.record_seconds, 6), "place_seconds": round(place_seconds, 6)}
         if self.destination is not None:
             rows = CapturedRows.placed_into_destination(tuple(self.settings.layers), self.rows_placed)
@@ -332,7 +334,7 @@ class RowRecorder:
         self.destination = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
         self.record_seconds = 0.0
-        self.rows_expected = self.rows_recorded = 0
+        self.rows_expected = self.rows_recorded = self.chunks_recorded = 0
         return rows
 
     def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:

@@ -172,8 +172,8 @@ class _Seq:
     prompt: str
     expected: torch.Tensor
     num_rows: int
-    rows: torch.Tensor
-    valid: torch.Tensor
+    rows: torch.Tensor | None  # set by the first pass: a view of the call's row buffer
+    valid: torch.Tensor | None  # set by the first pass
     output: Any  # vLLM CompletionOutput
     request_output: Any
     last: bool = False  # the last token's row is computed (asked for, and the sequence can be forwarded)
@@ -347,14 +347,17 @@ class VllmHiddenStatesGenerator:
             request_outputs = self.llm.generate(inputs, child_params, use_tqdm=self.progress)
         finally:
             destination = placement.settle()
-        captured = self.client.fetch()
+        rows_ready = self.client.fetch_later()
+        # Meanwhile (the worker places its last rows, then answers): what needs no rows.
+        seqs = self._sequences(rendered, owners, steering, request_outputs, last)
+        keys = [self.store.keys(q.expected, q.num_rows, q.salt.encode()) for q in seqs]
+        captured = rows_ready()
         if captured.error:
             raise CaptureError(captured.error, outputs=request_outputs)
 
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows,
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
-        seqs = self._sequences(rendered, owners, steering, request_outputs, last)
         stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), captured, destination,
                                                                        rendered)
         bounds = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -370,7 +373,6 @@ class VllmHiddenStatesGenerator:
         stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_shared_prefix - stats.capture_missed_rows)
         evictions, stale = self.store.evictions, self.store.stale_drops
         occupied = self._occupied(seqs)
-        keys = [self.store.keys(q.expected, q.rows.shape[0], q.salt.encode()) for q in seqs]
         try:
             # The store keeps views of this call's rows (no copy), re-pointed to this call's
             # buffer so older ones can be released; sealed once every row is in.
@@ -428,19 +430,20 @@ class VllmHiddenStatesGenerator:
                       stacklevel=3)
 
     def _sequences(self, rendered, owners, steering, request_outputs, last: bool) -> list[_Seq]:
+        """One :class:`_Seq` per request (rows and validity come with the first pass); every
+        sequence's token ids are views of one array, built in one pass over vLLM's lists."""
+        parts = [(ro.prompt_token_ids, ro.outputs[0].token_ids) for ro in request_outputs]
+        lens = [len(p) + len(o) for p, o in parts]
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(parts)), np.int64, sum(lens))
         seqs = []
-        for tag, ro in zip(owners, request_outputs):
+        for tag, ro, expected in zip(owners, request_outputs, torch.from_numpy(flat).split(lens)):
             i, s = owners[tag]
-            out = ro.outputs[0]
-            ids = list(ro.prompt_token_ids)
-            ids += out.token_ids
             # vLLM refuses a prompt of max_model_len tokens, so a sequence that long cannot have
             # its last token forwarded: flag it rather than lose the call.
-            full = last and len(ids) >= self.max_model_len
-            num_rows = len(ids) - (0 if last and not full else 1)
-            expected = torch.from_numpy(np.array(ids, dtype=np.int64))
-            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, torch.zeros(num_rows, dtype=torch.bool),
-                             out, ro, last=last and not full, last_row_missing=full,
+            full = last and len(expected) >= self.max_model_len
+            num_rows = len(expected) - (0 if last and not full else 1)
+            seqs.append(_Seq(i, s, rendered[i][1], expected, num_rows, None, None, ro.outputs[0], ro,
+                             last=last and not full, last_row_missing=full,
                              salt=steering[tag].salt, steer_args=steering[tag].extra_args,
                              step_salt=steering[tag].step_salt))
         return seqs

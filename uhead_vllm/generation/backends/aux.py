@@ -7,7 +7,7 @@ import functools
 import json
 import threading
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -134,7 +134,23 @@ class AuxClient:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core
         in this process the rows are handed over as objects; across processes as safetensors."""
         inline = engine_internals.worker_in_process(self.llm)
-        payloads = [p for p in self.llm.collective_rpc("uhead_fetch", args=(inline,)) if p is not None]
+        return self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
+
+    def fetch_later(self) -> Callable[[], CapturedRows]:
+        """Ask for the rows now and return what waits for them: with the engine core in another
+        process the caller does its work that needs no rows during the round trip (the worker
+        first waits for its last rows to be placed)."""
+        sent = None
+        if not engine_internals.worker_in_process(self.llm):
+            sent = engine_internals.send_collective_rpc(self.llm, "uhead_fetch", (False,))
+        if sent is None:
+            rows = self.fetch()
+            return lambda: rows
+        return lambda: self._one(sent(), False)
+
+    @staticmethod
+    def _one(payloads: list, inline: bool) -> CapturedRows:
+        payloads = [p for p in payloads if p is not None]
         if len(payloads) != 1:
             raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
         if not inline:

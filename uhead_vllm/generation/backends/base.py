@@ -66,6 +66,9 @@ class CaptureClient(Protocol):
 
     def fetch(self) -> CapturedRows: ...
 
+    def fetch_later(self) -> Callable[[], CapturedRows]:
+        """Ask for the rows since the last fetch now; the returned call waits for them."""
+
 
 class CaptureBackend(Protocol):
     name: str

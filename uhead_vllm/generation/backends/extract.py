@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -171,6 +171,10 @@ class ExtractClient:
         self._wait()
         return read_results(self.out_dir, self.settings.layers, self.settings.torch_dtype,
                             self.hidden_size)
+
+    def fetch_later(self) -> Callable[[], CapturedRows]:
+        """The files are read when asked for (nothing to send ahead)."""
+        return self.fetch
 
 
 class ExtractBackend:
