@@ -17,6 +17,11 @@ def test_block_keys_depend_on_every_earlier_token():
     b = block_keys([99] + list(range(1, 8)), 4, 2)
     assert a[0] != b[0] and a[1] != b[1]  # second block's key changes with the first block's tokens
     assert block_keys(list(range(8)), 4, 2) == a
+    # a shared prefix's keys hashed once continue into any sequence starting with it
+    ids = list(range(21))
+    prompt = block_keys(ids[:9], 4, 2, b"salt")
+    assert block_keys(ids, 4, 5, b"salt", known=prompt) == block_keys(ids, 4, 5, b"salt")
+    assert block_keys(ids, 4, 1, b"salt", known=prompt) == prompt[:1]
 
 
 def test_store_fills_only_matching_full_blocks_and_evicts_lru():

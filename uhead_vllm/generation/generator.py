@@ -350,7 +350,7 @@ class VllmHiddenStatesGenerator:
         rows_ready = self.client.fetch_later()
         # Meanwhile (the worker places its last rows, then answers): what needs no rows.
         seqs = self._sequences(rendered, owners, steering, request_outputs, last)
-        keys = [self.store.keys(q.expected, q.num_rows, q.salt.encode()) for q in seqs]
+        keys = self._row_keys(seqs)
         captured = rows_ready()
         if captured.error:
             raise CaptureError(captured.error, outputs=request_outputs)
@@ -376,10 +376,10 @@ class VllmHiddenStatesGenerator:
         try:
             # The store keeps views of this call's rows (no copy), re-pointed to this call's
             # buffer so older ones can be released; sealed once every row is in.
-            for q, k in zip(seqs, keys):
-                self.store.put(q.expected, q.rows, q.valid, seal=False, replace=True, keys=k,
-                               buffer_bytes=occupied.get(buffer_address(q.rows)))
             complete = (invalid == 0).tolist()  # the store's puts leave validity as it was
+            for q, k, done in zip(seqs, keys, complete):
+                self.store.put(q.expected, q.rows, None if done else q.valid, seal=False, replace=True, keys=k,
+                               buffer_bytes=occupied.get(buffer_address(q.rows)))
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for q, k, done in zip(seqs, keys, complete):
                 if not done:
@@ -447,6 +447,19 @@ class VllmHiddenStatesGenerator:
                              salt=steering[tag].salt, steer_args=steering[tag].extra_args,
                              step_salt=steering[tag].step_salt))
         return seqs
+
+    def _row_keys(self, seqs: list[_Seq]) -> list[list[bytes]]:
+        """Every sequence's row-store keys; the full blocks of a prompt are hashed once for all
+        the sequences that start with it (the samples of one prompt)."""
+        prompts: dict[tuple[str, tuple[int, ...]], list[bytes]] = {}
+        keys = []
+        for q in seqs:
+            prompt = tuple(q.request_output.prompt_token_ids)
+            known = prompts.get((q.salt, prompt))
+            if known is None:
+                known = prompts[(q.salt, prompt)] = self.store.keys(prompt, len(prompt), q.salt.encode())
+            keys.append(self.store.keys(q.expected, q.num_rows, q.salt.encode(), known))
+        return keys
 
     def _destination(self, rendered, owners: dict, child_params: list, steering: dict) -> Placement:
         """One buffer with room for every sequence's longest outcome, for the worker to write rows
@@ -640,7 +653,7 @@ class VllmHiddenStatesGenerator:
     def _result(self, prompts, rendered, seqs: list[_Seq], stats: GenerationStats) -> HiddenStatesGeneration:
         self.step_cache.begin_call()
         keys = [step_key(q.prompt, q.step_salt) for q in seqs]
-        parents = {k: self.step_cache.history_for(k) for k in keys}
+        parents = {k: self.step_cache.history_for(k) for k in dict.fromkeys(keys)}  # once per prompt
         hidden: list[list[SampleHiddenStates]] = [[] for _ in prompts]
         merged: list[Any] = [None] * len(prompts)
         for q, key in zip(seqs, keys):

@@ -8,6 +8,7 @@ this store is therefore exact, not a heuristic by prompt string or longest commo
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -18,30 +19,34 @@ import numpy as np
 import torch
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: bytes = b"") -> list[bytes]:
+def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: bytes = b"",
+               known: Sequence[bytes] = ()) -> list[bytes]:
     """Chained digests of the first ``num_blocks`` full blocks of ``token_ids``; ``salt`` (like
-    vLLM's ``cache_salt``) starts the chain, so steered rows never serve other requests."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    keys: list[bytes] = []
-    parent = salt
-    for b in range(num_blocks):
-        parent = hashlib.sha256(parent + ids[b * block_size : (b + 1) * block_size].tobytes()).digest()
+    vLLM's ``cache_salt``) starts the chain, so steered rows never serve other requests.
+    ``known``: the keys of leading blocks already hashed (a prefix shared with another sequence)."""
+    known = list(known[:num_blocks])
+    data = memoryview(np.asarray(token_ids, dtype=np.int64).tobytes())
+    width = 8 * block_size
+    keys: list[bytes] = known
+    parent = known[-1] if known else salt
+    sha256 = hashlib.sha256
+    for start in range(len(known) * width, num_blocks * width, width):
+        h = sha256(parent)
+        h.update(data[start : start + width])
+        parent = h.digest()
         keys.append(parent)
     return keys
 
 
-@dataclass
-class _Block:
-    source: torch.Tensor  # the rows of the call that produced the block (or the block's own copy)
-    start: int  # the block's first row in ``source``
-    size: int
-    version: int | None  # the rows' version counter when sealed; None until the call ends
-    address: int  # storage address of the buffer ``source`` points into
+@dataclass(slots=True, eq=False)
+class _Source:
+    """Rows that stored blocks point into: one sequence's rows of a call (its blocks are
+    ``(source, first row)`` pairs, so a call's thousands of blocks cost a tuple each) or one
+    block's own copy."""
 
-    @property
-    def rows(self) -> torch.Tensor:
-        """``[block_size, L, H]``, a view (made on use: a call stores thousands of blocks)."""
-        return self.source[self.start : self.start + self.size]
+    rows: torch.Tensor  # [rows, L, H]
+    address: int  # storage address of the buffer ``rows`` is a view of
+    version: int | None  # the rows' version counter when sealed; None until the call ends
 
 
 class PrefixRowStore:
@@ -61,7 +66,8 @@ class PrefixRowStore:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.max_bytes = int(max_bytes)
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._blocks: OrderedDict[bytes, tuple[_Source, int]] = OrderedDict()  # key -> (source, first row)
+        self._unsealed: list[_Source] = []
         self._buffers: dict[int, list[int]] = {}  # storage address -> [bytes, blocks pointing into it]
         self.bytes_held = 0
         self.evictions = 0
@@ -72,22 +78,26 @@ class PrefixRowStore:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._unsealed.clear()
         self._buffers.clear()
         self.bytes_held = 0
 
     def tensors(self) -> list[torch.Tensor]:
         """The stored blocks (for accounting of what a generator holds)."""
-        return [b.rows for b in self._blocks.values()]
+        size = self.block_size
+        return [src.rows[start : start + size] for src, start in self._blocks.values()]
 
-    def keys(self, token_ids: Sequence[int], num_rows: int, salt: bytes = b"") -> list[bytes]:
+    def keys(self, token_ids: Sequence[int], num_rows: int, salt: bytes = b"", known: Sequence[bytes] = ()
+             ) -> list[bytes]:
         """The keys of the full blocks of a sequence with ``num_rows`` rows (compute once, pass
-        to :meth:`put` and :meth:`fill` of the same sequence)."""
-        return block_keys(token_ids, self.block_size, min(len(token_ids), num_rows) // self.block_size, salt)
+        to :meth:`put` and :meth:`fill` of the same sequence); ``known``: see :func:`block_keys`."""
+        return block_keys(token_ids, self.block_size, min(len(token_ids), num_rows) // self.block_size, salt, known)
 
-    def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, *, seal: bool = True,
+    def put(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor | None, *, seal: bool = True,
             replace: bool = False, buffer_bytes: int | None = None, salt: bytes = b"",
             keys: list[bytes] | None = None) -> int:
-        """Store every full block whose rows are all valid; returns how many blocks were new.
+        """Store every full block whose rows are all valid (``valid=None``: every row is);
+        returns how many blocks were new.
 
         ``seal=False`` leaves the blocks unversioned until :meth:`seal` (the caller still writes
         missing rows into the same buffer); ``replace=True`` re-points blocks already stored to
@@ -98,38 +108,55 @@ class PrefixRowStore:
         n_blocks = len(keys)
         if n_blocks == 0:
             return 0
-        complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
+        if valid is None:
+            complete = [True] * n_blocks
+        else:
+            complete = valid[: n_blocks * self.block_size].view(n_blocks, self.block_size).all(1).tolist()
         size = _buffer_bytes(rows) if buffer_bytes is None else min(buffer_bytes, _buffer_bytes(rows))
         copy = size > self.max_bytes
         address = buffer_address(rows)
-        added = 0
+        shared = self._source(rows, address, seal)
+        blocks, block_size = self._blocks, self.block_size
+        if not copy and all(complete) and blocks.keys().isdisjoint(keys):  # all new (a fresh sequence)
+            blocks.update(zip(keys, zip(itertools.repeat(shared), range(0, n_blocks * block_size, block_size))))
+            self._hold(address, size, n_blocks)
+            self._evict()
+            return n_blocks
+        added = pointing = 0  # new blocks; blocks now pointing into ``rows``' buffer
         for b, key in enumerate(keys):
-            old = self._blocks.get(key)
+            old = blocks.get(key)
             if old is not None:
-                self._blocks.move_to_end(key)
-                if not (replace and complete[b]) or old.address == address:
+                blocks.move_to_end(key)
+                if not (replace and complete[b]) or old[0].address == address:
                     continue
-                self._release(old.address)
+                self._release(old[0].address)
             elif not complete[b]:
                 continue
             else:
                 added += 1
-            start = b * self.block_size
             if copy:
-                source, start = rows[start : start + self.block_size].clone(), 0
-                where, held = buffer_address(source), _buffer_bytes(source)
+                own = rows[b * block_size : (b + 1) * block_size].clone()
+                blocks[key] = (self._source(own, buffer_address(own), seal), 0)
+                self._hold(buffer_address(own), _buffer_bytes(own))
             else:
-                source, where, held = rows, address, size
-            self._blocks[key] = _Block(source, start, self.block_size, source._version if seal else None, where)
-            self._hold(where, held)
-            self._evict()
+                blocks[key] = (shared, b * block_size)
+                pointing += 1
+        if pointing:
+            self._hold(address, size, pointing)
+        self._evict()
         return added
+
+    def _source(self, rows: torch.Tensor, address: int, seal: bool) -> _Source:
+        source = _Source(rows, address, rows._version if seal else None)
+        if not seal:
+            self._unsealed.append(source)
+        return source
 
     def seal(self) -> None:
         """Stamp unversioned blocks: from now on an in-place change to their buffer retires them."""
-        for block in self._blocks.values():
-            if block.version is None:
-                block.version = block.source._version
+        for source in self._unsealed:
+            source.version = source.rows._version
+        self._unsealed.clear()
 
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"",
              keys: list[bytes] | None = None, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
@@ -151,24 +178,26 @@ class PrefixRowStore:
         for b, key in enumerate(keys[: last_gap + 1]):
             if not gaps_list[b]:
                 continue
-            block = self._blocks.get(key)
-            if block is None:
+            entry = self._blocks.get(key)
+            if entry is None:
                 continue
-            if block.version is not None and block.source._version != block.version:
+            source, start = entry
+            if source.version is not None and source.rows._version != source.version:
                 del self._blocks[key]  # its buffer was changed in place after its call
-                self._release(block.address)
+                self._release(source.address)
                 self.stale_drops += 1
                 continue
+            stored = source.rows[start : start + self.block_size]
             self._blocks.move_to_end(key)
             s = slice(b * self.block_size, (b + 1) * self.block_size)
             missing = ~valid[s]
             n = int(missing.sum())
             if n == self.block_size and copies is not None:
-                copies.append((rows[s], block.rows))
+                copies.append((rows[s], stored))
             elif n == self.block_size:
-                rows[s].copy_(block.rows)
+                rows[s].copy_(stored)
             else:
-                rows[s][missing] = block.rows[missing].to(rows.dtype)
+                rows[s][missing] = stored[missing].to(rows.dtype)
             valid[s] = True
             filled += n
         return filled
@@ -177,11 +206,11 @@ class PrefixRowStore:
         """Bytes counted for each buffer the store keeps alive, by storage address."""
         return {address: entry[0] for address, entry in self._buffers.items()}
 
-    def _hold(self, address: int, size: int) -> None:
+    def _hold(self, address: int, size: int, blocks: int = 1) -> None:
         entry = self._buffers.setdefault(address, [size, 0])
         if entry[1] == 0:
             self.bytes_held += entry[0]
-        entry[1] += 1
+        entry[1] += blocks
 
     def _release(self, address: int) -> None:
         entry = self._buffers[address]
@@ -192,7 +221,7 @@ class PrefixRowStore:
 
     def _evict(self) -> None:
         while self.bytes_held > self.max_bytes and self._blocks:
-            _, old = self._blocks.popitem(last=False)
+            _, (old, _) = self._blocks.popitem(last=False)
             self._release(old.address)
             self.evictions += 1
 
