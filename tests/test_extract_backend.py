@@ -133,13 +133,13 @@ def test_read_results_reorders_layers_and_reports_errors(tmp_path):
 def test_capture_errors_surface_through_the_generator(extract_llm):
     gen = VllmHiddenStatesGenerator(extract_llm)
     # A failed write inside the worker leaves an .error file instead of rows: never zero rows.
-    original = gen.client.fetch
+    original = gen.client.fetch_later
 
     def failing_fetch():
         (gen.client.out_dir / (request_stem(RequestTag(999_999, 0)) + ERROR_SUFFIX)).write_text("boom")
         return original()
 
-    gen.client.fetch = failing_fetch
+    gen.client.fetch_later = failing_fetch
     with pytest.raises(CaptureError, match="boom"):
         gen.generate(["5 + 6 ="], SamplingParams(max_tokens=2))
 

@@ -140,11 +140,10 @@ class AuxClient:
         """Ask for the rows now and return what waits for them: with the engine core in another
         process the caller does its work that needs no rows during the round trip (the worker
         first waits for its last rows to be placed)."""
-        sent = None
-        if not engine_internals.worker_in_process(self.llm):
-            sent = engine_internals.send_collective_rpc(self.llm, "uhead_fetch", (False,))
+        inline = engine_internals.worker_in_process(self.llm)
+        sent = None if inline else engine_internals.send_collective_rpc(self.llm, "uhead_fetch", (False,))
         if sent is None:
-            rows = self.fetch()
+            rows = self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
             return lambda: rows
         return lambda: self._one(sent(), False)
 

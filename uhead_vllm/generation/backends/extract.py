@@ -168,13 +168,16 @@ class ExtractClient:
 
     def fetch(self) -> CapturedRows:
         """Rows of every request finished since the previous fetch (their files are deleted)."""
-        self._wait()
-        return read_results(self.out_dir, self.settings.layers, self.settings.torch_dtype,
-                            self.hidden_size)
+        return self._read()
 
     def fetch_later(self) -> Callable[[], CapturedRows]:
         """The files are read when asked for (nothing to send ahead)."""
-        return self.fetch
+        return self._read
+
+    def _read(self) -> CapturedRows:
+        self._wait()
+        return read_results(self.out_dir, self.settings.layers, self.settings.torch_dtype,
+                            self.hidden_size)
 
 
 class ExtractBackend:
