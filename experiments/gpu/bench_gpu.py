@@ -177,6 +177,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         med = {name: float(np.median(v)) for name, v in seconds.items()}
         result["batches"][str(b * N)] = {
             "phase_median_seconds": {k: float(np.median([p.get(k, 0.0) for p in phases])) for k in phases[0]},
+            "phase_seconds_per_run": phases,  # in run order: where a slow run spent its time
             "seconds": seconds, "median_seconds": med, "generated_tokens": wl.generated_tokens,
             "ratio_of_medians": med["plain-graphs"] / med["ours-graphs"],
             "ratio_of_best": min(seconds["plain-graphs"]) / min(seconds["ours-graphs"]),
