@@ -365,7 +365,7 @@ def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token
     place_step(dest, torch.ones(9, 1, 1), meta([0, 1, 2, 3, 2, 3, 0, 1, 2], [5, 6, 7, 8, 7, 9, 5, 0, 7]), chunks)
 
     def seq(index, ids, prompt=(5, 6, 7)):
-        return SimpleNamespace(expected=torch.tensor(ids), prompt_index=index,
+        return SimpleNamespace(ids=np.array(ids), prompt_index=index,
                                request_output=SimpleNamespace(prompt_token_ids=list(prompt)))
 
     seqs = [seq(0, [5, 6, 7, 8]), seq(0, [5, 6, 7, 9]), seq(1, [5, 6, 7])]
