@@ -122,12 +122,15 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
-                 split: bool = False) -> dict[str, Any]:
+                 split: bool = False, aux_only: bool = False) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
     n=1 request per sample, no capture tags) sent straight to each engine's vLLM: on the plain
-    engine it prices the request form, on the capturing engine the aux outputs in its graphs."""
+    engine it prices the request form, on the capturing engine the aux outputs in its graphs.
+    ``aux_only`` (with ``split``): a third engine with the aux outputs but no step listener
+    (``experiments/gpu/aux_only.py``) gets the same untagged requests: the aux outputs' price apart
+    from the listener's."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.phases import time_generator_phases, timed
@@ -145,6 +148,14 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                                       engine_settings(shape, paired=True), prompts, big),
                "ours-graphs": Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", layers,
                                      engine_settings(shape, paired=True), prompts, big)}
+    aux_llm = None
+    if aux_only:
+        from uhead_vllm.generation.backends.aux import capture_engine_kwargs
+        from vllm import LLM
+
+        aux_llm = LLM(model=model, dtype="bfloat16", **engine_settings(shape, paired=True),
+                      **{**capture_engine_kwargs(layers, "bfloat16"),
+                         "worker_extension_cls": "experiments.gpu.aux_only.AuxOnlyExtension"})
     for runner in runners.values():
         runner.warmup(big)
     times: dict[str, list[float]] = {}  # the capture generator's host phases (experiments/bench/phases.py)
@@ -162,6 +173,8 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                     "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-graphs": ways["ours-graphs"]}
+            if aux_llm is not None:
+                ways["aux-only-untagged"] = lambda wl: untagged_run(aux_llm, inputs, params)
         seconds = {name: [] for name in ways}
         for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
             way(wl)                # slower for both (allocator, page cache), session 15
@@ -187,6 +200,8 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     result["after_pass_profile"] = after_pass_profile(runners["ours-graphs"], big)
     for runner in runners.values():
         runner.close()
+    if aux_llm is not None:
+        aux_llm.llm_engine.engine_core.shutdown()
     return result
 
 
@@ -217,17 +232,19 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
         med, pairs = r["median_seconds"], r["pair_ratios"]
         lines.append(f"| {seqs} | {med['plain-graphs']:.3f} | {med['ours-graphs']:.3f} | **{r['ratio_of_medians']:.3f}** "
                      f"| {r['ratio_of_best']:.3f} | {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f}) |")
+    aux = ("aux-only-untagged",) if "aux-only-untagged" in next(iter(res["batches"].values()))["median_seconds"] else ()
     if "plain-ids" in next(iter(res["batches"].values()))["median_seconds"]:
         lines += ["", "The split: the generator's request form (token ids, one n=1 request per sample, no capture "
                   "tags) sent straight to each engine, alternating with the two above (median seconds; ratios are "
                   "throughput against plain vLLM with its own request form).", "",
-                  "| sequences | plain | plain, generator's request form | capturing engine, untagged | capture |",
-                  "|---|---|---|---|---|"]
+                  "| sequences | plain | plain, generator's request form | capturing engine, untagged | capture |"
+                  + (" aux outputs, no listener, untagged |" if aux else ""),
+                  "|---|---|---|---|---|" + ("---|" if aux else "")]
         for seqs, r in res["batches"].items():
             med = r["median_seconds"]
             lines.append(f"| {seqs} | " + " | ".join(
                 f"{med[k]:.3f} ({med['plain-graphs'] / med[k]:.3f})"
-                for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs")) + " |")
+                for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs") + aux) + " |")
     if "phase_median_seconds" in next(iter(res["batches"].values())):
         names = list(next(iter(res["batches"].values()))["phase_median_seconds"])
         lines += ["", "Capture's phases (median ms per call; wall-clock timers around the generator's steps, "
@@ -364,6 +381,8 @@ def main() -> None:
                     help="--paired: layers captured, spread from 0 to the last (0 or more than the model has: all)")
     ap.add_argument("--split", action="store_true",
                     help="--paired: also time the generator's request form, untagged, on both engines")
+    ap.add_argument("--aux-only", action="store_true",
+                    help="--paired --split: also an engine with the aux outputs but no step listener, untagged")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -375,7 +394,7 @@ def main() -> None:
                 from experiments.gpu.models import SHAPES
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
-                                   spec["layers"], spec["split"])
+                                   spec["layers"], spec["split"], spec.get("aux_only", False))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -406,7 +425,8 @@ def main() -> None:
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
-        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split)]
+        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
+                      aux_only=args.aux_only)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
