@@ -6,8 +6,9 @@ tagged rows on the device (a slice per contiguous run of tagged requests, usuall
 the hot path waits for the device. When the engine side gave a :class:`RowDestination` (its own
 tensor in this process, or a shared-memory file), steps collect in a device buffer and go to
 pinned memory a batch at a time (step_batch.py), then straight into the destination during the
-generation (placer.py), each with its input token; only their count is kept. Without one, each step is copied to pinned
-memory asynchronously and kept. ``take`` waits once and assembles one :class:`CapturedRows`.
+generation (placer.py), each row with its input token; only their count is kept. Without one, each
+step is copied to pinned memory asynchronously and kept. ``take`` waits once and assembles one
+:class:`CapturedRows`.
 
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
 forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the

@@ -553,12 +553,12 @@ class VllmHiddenStatesGenerator:
         if shared.any() and any(list(q.request_output.prompt_token_ids) != rendered[q.prompt_index][0]["prompt_token_ids"]
                                 for q in seqs):
             shared[:] = False  # vLLM ran other prompt ids than the groups were built from
-        ok = (found == expected) | shared
-        if (n == lens).all():
-            return int(shared.sum()), torch.from_numpy(ok)
-        valid = np.zeros(int(lens.sum()), dtype=bool)
-        valid[np.repeat(np.cumsum(lens) - lens - starts, n) + checked] = ok
-        return int(shared.sum()), torch.from_numpy(valid)
+        valid = (found == expected) | shared
+        if not (n == lens).all():  # the checked rows among all rows
+            valid, checked_rows = np.zeros(int(lens.sum()), dtype=bool), valid
+            valid[np.repeat(np.cumsum(lens) - lens - starts, n) + checked] = checked_rows
+        with torch.inference_mode(False):  # a normal tensor: written in place later in the call
+            return int(shared.sum()), torch.from_numpy(valid)
 
     def _copy_captured(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows, lens: np.ndarray
                        ) -> tuple[torch.Tensor, torch.Tensor]:
