@@ -230,6 +230,21 @@ def test_compute_last_token_adds_the_final_row(llm, model_path):
     assert res.stats.rows_recomputed >= 1
 
 
+def test_generate_under_inference_mode_writes_validity_and_stores_rows(llm, model_path):
+    """Callers often run under ``torch.inference_mode()``; the call still marks rows valid in place
+    (the last row, the store's fill) and its stored rows serve the next call."""
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    with torch.inference_mode():
+        first = gen.generate([SHARED * 3 + "3 * 4 ="], SamplingParams(max_tokens=4, temperature=0.0),
+                             compute_last_token=True)
+        again = gen.generate([SHARED * 3 + "5 + 6 ="], SamplingParams(max_tokens=4, temperature=0.0))
+    assert first.stats.rows_recomputed >= 1 and again.stats.rows_from_store > 0
+    s = first.hidden_states[0][0]
+    assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4)
+    check_all(model_path, again)
+
+
 def test_chat_prompts_render_thinking_switch(llm, tiny_models):
     chat = [{"role": "user", "content": "3 * 4 ="}]
     off = VllmHiddenStatesGenerator(llm, enable_thinking=False).render_prompt(chat)[1]
