@@ -369,10 +369,11 @@ class VllmHiddenStatesGenerator:
         stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows,
                                 rows_placed=captured.num_rows if captured.placed else 0)
         self._check_capture_complete(captured, stats, request_outputs)
-        stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), captured, destination,
-                                                                       rendered)
+        lens = np.fromiter((q.num_rows for q in seqs), np.int64, len(seqs))
+        stats.rows_from_shared_prefix, valid = self._place_first_pass(seqs, list(owners), lens, captured,
+                                                                       destination, rendered)
         bounds = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum([q.num_rows for q in seqs], out=bounds[1:])
+        np.cumsum(lens, out=bounds[1:])
         # The final token is never forwarded in context during generation; a row at its position
         # can only be a speculative draft's (possibly after a rejected token), so it is always
         # computed afresh.
@@ -501,10 +502,11 @@ class VllmHiddenStatesGenerator:
         return self.client.place_into(slots, (first, self.columns, self.hidden_size),
                                       [(limit, tags) for limit, tags in groups if limit > 0])
 
-    def _place_first_pass(self, seqs: list[_Seq], tags: list[int], captured: CapturedRows,
+    def _place_first_pass(self, seqs: list[_Seq], tags: list[int], lens: np.ndarray, captured: CapturedRows,
                           destination: RowDestination | None, rendered: list[tuple[Any, str]]
                           ) -> tuple[int, torch.Tensor]:
-        """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``.
+        """Every sequence's rows in one buffer; ``seqs[i]`` is the sequence of request tag ``tags[i]``
+        with ``lens[i]`` rows.
 
         Rows the worker wrote into ``destination`` are only checked (:meth:`_check_placed`);
         otherwise they are copied into a new buffer (:meth:`_copy_captured`). Each sequence's
@@ -514,7 +516,6 @@ class VllmHiddenStatesGenerator:
         """
         if destination is not None and captured.num_rows and not captured.placed:
             destination = None  # the worker handed the rows over instead (e.g. it could not map the buffer)
-        lens = np.fromiter((q.num_rows for q in seqs), np.int64, len(seqs))
         from_shared = 0
         if destination is not None:
             buffer = destination.buffer

@@ -123,8 +123,9 @@ class AuxClient:
         destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks
         # Both sides hold their mappings once the worker answered: the memory goes with the last one.
         unname = functools.partial(files.unname, row_file)
-        sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (spec.to_json(),))
-        ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(spec.to_json(),))
+        payload = spec.to_json()
+        sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (payload,))
+        ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(payload,))
         placement = Placement(destination, lambda: any(ask()), unname)
         if sent is None:  # it cannot go ahead of the requests: ask now, before they are sent
             placement.settle()
@@ -133,8 +134,7 @@ class AuxClient:
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). With the engine core
         in this process the rows are handed over as objects; across processes as safetensors."""
-        inline = engine_internals.worker_in_process(self.llm)
-        return self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
+        return self._fetch_now(engine_internals.worker_in_process(self.llm))
 
     def fetch_later(self) -> Callable[[], CapturedRows]:
         """Ask for the rows now and return what waits for them: with the engine core in another
@@ -143,12 +143,16 @@ class AuxClient:
         inline = engine_internals.worker_in_process(self.llm)
         sent = None if inline else engine_internals.send_collective_rpc(self.llm, "uhead_fetch", (False,))
         if sent is None:
-            rows = self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
+            rows = self._fetch_now(inline)
             return lambda: rows
         return lambda: self._one(sent(), False)
 
+    def _fetch_now(self, inline: bool) -> CapturedRows:
+        return self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
+
     @staticmethod
     def _one(payloads: list, inline: bool) -> CapturedRows:
+        """The recording rank's rows from every rank's answer (objects in process, else safetensors)."""
         payloads = [p for p in payloads if p is not None]
         if len(payloads) != 1:
             raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
