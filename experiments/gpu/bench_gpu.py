@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -122,7 +123,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
-                 split: bool = False, aux_only: bool = False) -> dict[str, Any]:
+                 split: bool = False, aux_only: bool = False, aa: bool = False) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
@@ -130,7 +131,10 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     engine it prices the request form, on the capturing engine the aux outputs in its graphs.
     ``aux_only`` (with ``split``): a third engine with the aux outputs but no step listener
     (``experiments/gpu/aux_only.py``) gets the same untagged requests: the aux outputs' price apart
-    from the listener's."""
+    from the listener's. ``aa``: a second plain engine, built last, runs like the first: how far
+    two identical engines differ here (the noise floor of every ratio, and any bias by build order).
+    Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
+    after a switch of engines."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.phases import time_generator_phases, timed
@@ -148,6 +152,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                                       engine_settings(shape, paired=True), prompts, big),
                "ours-graphs": Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", layers,
                                      engine_settings(shape, paired=True), prompts, big)}
+    if aa:
+        runners["plain-graphs-b"] = Runner(Config("plain", "compiled"), model, "bfloat16", (0,),
+                                           engine_settings(shape, paired=True), prompts, big)
     aux_llm = None
     if aux_only:
         from uhead_vllm.generation.backends.aux import capture_engine_kwargs
@@ -173,14 +180,22 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                     "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-graphs": ways["ours-graphs"]}
+            if aa:
+                ways["plain-graphs-b"] = runners["plain-graphs-b"].run
             if aux_llm is not None:
                 ways["aux-only-untagged"] = lambda wl: untagged_run(aux_llm, inputs, params)
         seconds = {name: [] for name in ways}
         for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
             way(wl)                # slower for both (allocator, page cache), session 15
         phases: list[dict[str, float]] = []  # per capture run: seconds per phase
+        order: list[list[str]] = []
+        shuffle = random.Random(b)
         for _ in range(reps):
-            for name, way in ways.items():
+            names = list(ways)
+            shuffle.shuffle(names)
+            order.append(names)
+            for name in names:
+                way = ways[name]
                 times.clear()
                 r = way(wl)
                 seconds[name].append(r.seconds)
@@ -191,6 +206,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         result["batches"][str(b * N)] = {
             "phase_median_seconds": {k: float(np.median([p.get(k, 0.0) for p in phases])) for k in phases[0]},
             "phase_seconds_per_run": phases,  # in run order: where a slow run spent its time
+            "order": order,  # the ways' order in each repetition
             "seconds": seconds, "median_seconds": med, "generated_tokens": wl.generated_tokens,
             "ratio_of_medians": med["plain-graphs"] / med["ours-graphs"],
             "ratio_of_best": min(seconds["plain-graphs"]) / min(seconds["ours-graphs"]),
@@ -218,13 +234,20 @@ def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
     return RunResult(dt, sum(len(c.token_ids) for o in outs for c in o.outputs), extra={"vllm_generate_seconds": dt})
 
 
+#: Optional ways of ``--paired --split`` and their column labels in the report.
+EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)"}
+
+
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
+    first = next(iter(res["batches"].values()))
     lines = [f"# GPU capture throughput, paired in one process, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`", "",
              f"Plain vLLM with CUDA graphs and capture with CUDA graphs (layers {res['layers']}, bf16 rows) built "
              f"side by side, each with vLLM's default engine-core process and Model Runner V2; their runs "
-             f"alternate, {res.get('reps', PAIRED_REPS)} of each per batch size after one untimed run of each. Capture's time includes the rows' fetch and "
-             "assembly into per-sample tensors.", "",
+             f"alternate ({'in a shuffled order per repetition' if 'order' in first else 'in a fixed order'}), "
+             f"{res.get('reps', PAIRED_REPS)} of each per batch size after one untimed run of each. Capture's time "
+             "includes the rows' fetch and assembly into per-sample tensors. A pair: the two runs of one "
+             "repetition.", "",
              "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) "
              "| pairs: median (min-max) |",
              "|---|---|---|---|---|---|"]
@@ -232,21 +255,29 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
         med, pairs = r["median_seconds"], r["pair_ratios"]
         lines.append(f"| {seqs} | {med['plain-graphs']:.3f} | {med['ours-graphs']:.3f} | **{r['ratio_of_medians']:.3f}** "
                      f"| {r['ratio_of_best']:.3f} | {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f}) |")
-    aux = ("aux-only-untagged",) if "aux-only-untagged" in next(iter(res["batches"].values()))["median_seconds"] else ()
-    if "plain-ids" in next(iter(res["batches"].values()))["median_seconds"]:
+    extra = {k: label for k, label in EXTRA_WAYS.items() if k in first["median_seconds"]}
+    if "plain-graphs-b" in extra:
+        lines += ["", "A/A: a second plain engine, built last, against the first (throughput, medians; pairs: "
+                  "median (min-max)): the noise floor of the ratios above.", ""]
+        for seqs, r in res["batches"].items():
+            a, b = r["seconds"]["plain-graphs"], r["seconds"]["plain-graphs-b"]
+            pairs = [x / y for x, y in zip(a, b)]
+            lines.append(f"- {seqs} sequences: {float(np.median(a)) / float(np.median(b)):.3f}; pairs "
+                         f"{float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f})")
+    if "plain-ids" in first["median_seconds"]:
         lines += ["", "The split: the generator's request form (token ids, one n=1 request per sample, no capture "
                   "tags) sent straight to each engine, alternating with the two above (median seconds; ratios are "
                   "throughput against plain vLLM with its own request form).", "",
                   "| sequences | plain | plain, generator's request form | capturing engine, untagged | capture |"
-                  + (" aux outputs, no listener, untagged |" if aux else ""),
-                  "|---|---|---|---|---|" + ("---|" if aux else "")]
+                  + "".join(f" {label} |" for label in extra.values()),
+                  "|---|---|---|---|---|" + "---|" * len(extra)]
         for seqs, r in res["batches"].items():
             med = r["median_seconds"]
             lines.append(f"| {seqs} | " + " | ".join(
                 f"{med[k]:.3f} ({med['plain-graphs'] / med[k]:.3f})"
-                for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs") + aux) + " |")
-    if "phase_median_seconds" in next(iter(res["batches"].values())):
-        names = list(next(iter(res["batches"].values()))["phase_median_seconds"])
+                for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs", *extra)) + " |")
+    if "phase_median_seconds" in first:
+        names = list(first["phase_median_seconds"])
         lines += ["", "Capture's phases (median ms per call; wall-clock timers around the generator's steps, "
                   "`llm.generate` includes the engine's recording):", "",
                   "| phase | " + " | ".join(f"{seqs} seqs" for seqs in res["batches"]) + " |",
@@ -383,6 +414,8 @@ def main() -> None:
                     help="--paired: also time the generator's request form, untagged, on both engines")
     ap.add_argument("--aux-only", action="store_true",
                     help="--paired --split: also an engine with the aux outputs but no step listener, untagged")
+    ap.add_argument("--aa", action="store_true",
+                    help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -394,7 +427,7 @@ def main() -> None:
                 from experiments.gpu.models import SHAPES
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
-                                   spec["layers"], spec["split"], spec.get("aux_only", False))
+                                   spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -426,7 +459,7 @@ def main() -> None:
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
         specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only)]
+                      aux_only=args.aux_only, aa=args.aa)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue

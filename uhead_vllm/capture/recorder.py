@@ -65,10 +65,41 @@ class _Batch:
     capacity: np.ndarray  # [K] rows of that slot
     group_row: np.ndarray | None  # [K] row of the destination's group tables (None: no groups)
 
-    def chunk_slots(self, chunks: np.ndarray, lens: np.ndarray) -> ChunkSlots:
-        """Slot facts of the tagged requests ``chunks`` (indices into ``tagged``) for the placer."""
-        rows = None if self.group_row is None else self.group_row[chunks]
-        return ChunkSlots(self.first[chunks], self.capacity[chunks], lens, rows)
+    _layout: "_Layout | None" = None  # the last forward's row layout (decode steps repeat it)
+
+    def layout(self, qsl: np.ndarray) -> "_Layout | None":
+        """Where this forward's tagged rows are (None: no tagged request has rows in it), reused
+        while the token counts per request (``qsl``, host) stay those of the last forward."""
+        key = qsl.tobytes()
+        if self._layout is None or self._layout.key != key:
+            self._layout = _Layout.of(self, qsl, key)
+        return self._layout if self._layout.n_rows else None
+
+
+@dataclass
+class _Layout:
+    """One forward's tagged rows: the chunks (one per tagged request with rows), their facts for
+    the placer, and the row ranges to gather. Built once per batch and token counts, so a decode
+    step of a steady batch costs no index arithmetic."""
+
+    key: bytes  # the forward's query_start_loc, as bytes
+    tags: np.ndarray  # [C]
+    samples: np.ndarray  # [C]
+    lens: np.ndarray  # [C] rows per chunk
+    slots: ChunkSlots  # where the chunks go in the destination
+    runs: list[tuple[int, int]]  # row ranges of the forward to gather (adjacent chunks merged)
+    n_rows: int
+
+    @classmethod
+    def of(cls, batch: _Batch, qsl: np.ndarray, key: bytes) -> "_Layout":
+        scheduled = (qsl[batch.tagged + 1] > qsl[batch.tagged]).nonzero()[0]  # chunks with rows
+        chunk_req = batch.tagged[scheduled]
+        starts, ends = qsl[chunk_req].astype(np.int64), qsl[chunk_req + 1].astype(np.int64)
+        lens = ends - starts
+        rows = None if batch.group_row is None else batch.group_row[scheduled]
+        return cls(key, batch.tags[scheduled], batch.samples[scheduled], lens,
+                   ChunkSlots(batch.first[scheduled], batch.capacity[scheduled], lens, rows),
+                   _runs(starts, ends) if scheduled.size else [], int(lens.sum()))
 
 
 @dataclass
@@ -128,6 +159,8 @@ class RowRecorder:
         tags, scheduled = self._tags, step.num_scheduled_tokens
         if not self._untagged and scheduled.keys() <= tags.keys():
             rows = sum(scheduled.values())  # every request is captured: no lookup per request
+        elif self._untagged == len(tags):
+            rows = 0  # no live request is captured (plain traffic on a capturing engine)
         else:
             rows = sum(n for rid, n in scheduled.items() if tags.get(rid) is not None)
         self.scheduled_rows = rows
@@ -180,15 +213,10 @@ class RowRecorder:
             self.error = (f"capture points: {len(points or ())} of {len(self.settings.points)} hooks fired in "
                           "this forward (a submodule was skipped or compiled); no rows were recorded")
             return
-        batch = self._batch_facts(step.req_ids)
-        qsl = step.query_start_loc
-        scheduled = (qsl[batch.tagged + 1] > qsl[batch.tagged]).nonzero()[0]  # chunks with rows
-        if not scheduled.size:
+        layout = self._batch_facts(step.req_ids).layout(step.query_start_loc)
+        if layout is None:
             return
-        chunk_req = batch.tagged[scheduled]
-        starts, ends = qsl[chunk_req].astype(np.int64), qsl[chunk_req + 1].astype(np.int64)
-        lens = ends - starts
-        n_rows = int(lens.sum())
+        n_rows = layout.n_rows
         dtype = self.settings.torch_dtype
         new_bytes = n_rows * self.settings.num_columns * self.hidden_size * dtype.itemsize
         if self.bytes_held + new_bytes > self.settings.max_bytes:
@@ -204,27 +232,25 @@ class RowRecorder:
             return
         picked = [source[j] for j in self._select] + list(points or ())
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
-        runs = _runs(starts, ends)
-        tags = batch.tags[scheduled]
+        runs = layout.runs
         if self.destination is not None:
             if self._batcher is None:
                 self._batcher = StepBatcher(self.settings.num_columns, self.hidden_size, dtype,
                                             self._to_host, self._submit)
-            facts = (tags, batch.samples[scheduled], lens, batch.chunk_slots(scheduled, lens))
             if self._batcher.fits(n_rows):
-                self._batcher.add(facts, picked, positions, step.input_ids, runs, n_rows)
+                self._batcher.add(layout.slots, picked, positions, step.input_ids, runs, n_rows)
             else:  # larger than a batch buffer (a long prefill): copied on its own, after the batch
                 self._batcher.flush()
                 hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
-                self._submit([(facts, n_rows)], *self._to_host(hidden, meta))
+                self._submit([(layout.slots, n_rows)], *self._to_host(hidden, meta))
         else:  # kept until fetched
             hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
             hidden, meta, _, _ = self._to_host(hidden, meta)
-            self.steps.append(_Step(tags, batch.samples[scheduled], lens, hidden, meta))
+            self.steps.append(_Step(layout.tags, layout.samples, layout.lens, hidden, meta))
             self.bytes_held += new_bytes
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
-        self.chunks_recorded += int(scheduled.size)
+        self.chunks_recorded += len(layout.lens)
 
     def _batch_facts(self, req_ids: list[str]) -> _Batch:
         """This forward's per-request facts, reused while the batch stays the same."""
@@ -247,11 +273,11 @@ class RowRecorder:
             group_row=group_row)
         return self._batch
 
-    def _submit(self, steps: list[tuple[tuple, int]], hidden: torch.Tensor, meta: torch.Tensor, ready: object,
+    def _submit(self, steps: list[tuple[ChunkSlots, int]], hidden: torch.Tensor, meta: torch.Tensor, ready: object,
                 release: Callable[[], None] | None) -> None:
         """Hand consecutive steps' host rows and metadata to the placer as one (they go to the
         destination once ``ready``); only their count is kept until the take."""
-        slots = [facts[3] for facts, _ in steps]
+        slots = [chunks for chunks, _ in steps]
         self._placer.submit(ready, self.destination, hidden, meta,
                             slots[0] if len(slots) == 1 else ChunkSlots.joined(slots), release)
         self.rows_placed += sum(n for _, n in steps)

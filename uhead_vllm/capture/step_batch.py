@@ -83,8 +83,7 @@ class StepBatcher:
             else:  # stack has no dtype conversion into ``out``: a copy per column
                 for j, h in enumerate(picked):
                     dest[:, j].copy_(h[a:b])
-            buf.meta[0, o : o + n].copy_(positions[a:b])
-            buf.meta[1, o : o + n].copy_(input_ids[a:b])
+            torch.stack((positions[a:b], input_ids[a:b]), out=buf.meta[:, o : o + n])  # one call, int64
             o += n
         self._used = o
         self._pending.append((facts, n_rows))
