@@ -79,7 +79,8 @@ class StepBatcher:
             n = b - a
             dest = buf.rows[o : o + n]
             if all(h.dtype == self.dtype for h in picked):
-                torch.stack([h[a:b] for h in picked], dim=1, out=dest)
+                whole = a == 0 and b == picked[0].shape[0]  # an unpadded forward: no slicing
+                torch.stack(picked if whole else [h[a:b] for h in picked], dim=1, out=dest)
             else:  # stack has no dtype conversion into ``out``: a copy per column
                 for j, h in enumerate(picked):
                     dest[:, j].copy_(h[a:b])
