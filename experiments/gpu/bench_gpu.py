@@ -123,7 +123,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
-                 split: bool = False, aux_only: bool = False, aa: bool = False) -> dict[str, Any]:
+                 split: bool = False, aux_only: bool = False, aa: bool = False, pin: bool = False) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
@@ -134,7 +134,8 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     from the listener's. ``aa``: a second plain engine, built last, runs like the first: how far
     two identical engines differ here (the noise floor of every ratio, and any bias by build order).
     Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
-    after a switch of engines."""
+    after a switch of engines. ``pin``: this process and each engine-core process get cores of
+    their own (:class:`CorePinner`), so the engines' threads neither share nor migrate between cores."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.phases import time_generator_phases, timed
@@ -148,13 +149,14 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(BATCHES))
     layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    runners = {"plain-graphs": Runner(Config("plain", "compiled"), model, "bfloat16", (0,),
-                                      engine_settings(shape, paired=True), prompts, big),
-               "ours-graphs": Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", layers,
-                                     engine_settings(shape, paired=True), prompts, big)}
-    if aa:
-        runners["plain-graphs-b"] = Runner(Config("plain", "compiled"), model, "bfloat16", (0,),
-                                           engine_settings(shape, paired=True), prompts, big)
+    pinner = CorePinner(2 + int(aa) + int(aux_only)) if pin else None
+    runners: dict[str, Any] = {}
+    for name, config, captured in (("plain-graphs", Config("plain", "compiled"), (0,)),
+                                   ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers),
+                                   *((("plain-graphs-b", Config("plain", "compiled"), (0,)),) if aa else ())):
+        runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True), prompts, big)
+        if pinner is not None:
+            pinner.pin_new_engine(name)
     aux_llm = None
     if aux_only:
         from uhead_vllm.generation.backends.aux import capture_engine_kwargs
@@ -163,13 +165,16 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         aux_llm = LLM(model=model, dtype="bfloat16", **engine_settings(shape, paired=True),
                       **{**capture_engine_kwargs(layers, "bfloat16"),
                          "worker_extension_cls": "experiments.gpu.aux_only.AuxOnlyExtension"})
+        if pinner is not None:
+            pinner.pin_new_engine("aux-only-untagged")
     for runner in runners.values():
         runner.warmup(big)
     times: dict[str, list[float]] = {}  # the capture generator's host phases (experiments/bench/phases.py)
     time_generator_phases(runners["ours-graphs"].gen, times)
     runners["ours-graphs"].llm.generate = timed(times, "llm.generate", runners["ours-graphs"].llm.generate)
     freeze_startup_heap()
-    result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {}}
+    result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {},
+                              "pinned_cores": None if pinner is None else pinner.assigned}
     for b in BATCHES:
         wl = Workload(b, N, MAX_TOKENS)
         extra: dict[str, Any] = {}
@@ -221,6 +226,42 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     return result
 
 
+class CorePinner:
+    """Gives this process and each engine built after it a share of the cores: ``parts`` engines,
+    one share each, the first share to this process. A measuring aid: with every engine-core
+    process free to run anywhere, two identical plain engines differed by 5-9% in median time
+    at 256 sequences on a lent H100 host (c27b7b3)."""
+
+    def __init__(self, parts: int):
+        import psutil
+
+        cores = sorted(os.sched_getaffinity(0))
+        size = max(1, len(cores) // (parts + 1))
+        self.shares = [cores[i * size:(i + 1) * size] for i in range(parts + 1)]
+        self.me = psutil.Process()
+        self.known = {p.pid for p in self.me.children(recursive=True)}
+        self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}
+        _pin_threads(os.getpid(), self.shares[0])
+
+    def pin_new_engine(self, name: str) -> None:
+        """Pin every thread of the processes started since the last call to the next share."""
+        share = self.shares[len(self.assigned)]
+        new = [p.pid for p in self.me.children(recursive=True) if p.pid not in self.known]
+        for pid in new:
+            _pin_threads(pid, share)
+        self.known.update(new)
+        self.assigned[name] = share
+
+
+def _pin_threads(pid: int, cores: list[int]) -> None:
+    """Every existing thread of ``pid`` onto ``cores`` (threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
     """One timed ``llm.generate`` of requests in the generator's form, without capture tags."""
     from experiments.bench.engines import RunResult
@@ -247,7 +288,8 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
              f"alternate ({'in a shuffled order per repetition' if 'order' in first else 'in a fixed order'}), "
              f"{res.get('reps', PAIRED_REPS)} of each per batch size after one untimed run of each. Capture's time "
              "includes the rows' fetch and assembly into per-sample tensors. A pair: the two runs of one "
-             "repetition.", "",
+             "repetition." + ("" if not res.get("pinned_cores") else " Cores pinned: " + "; ".join(
+                 f"{k} {v[0]}-{v[-1]}" for k, v in res["pinned_cores"].items()) + "."), "",
              "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) "
              "| pairs: median (min-max) |",
              "|---|---|---|---|---|---|"]
@@ -414,6 +456,8 @@ def main() -> None:
                     help="--paired: also time the generator's request form, untagged, on both engines")
     ap.add_argument("--aux-only", action="store_true",
                     help="--paired --split: also an engine with the aux outputs but no step listener, untagged")
+    ap.add_argument("--pin", action="store_true",
+                    help="--paired: this process and each engine-core process on cores of their own")
     ap.add_argument("--aa", action="store_true",
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -427,7 +471,8 @@ def main() -> None:
                 from experiments.gpu.models import SHAPES
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
-                                   spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False))
+                                   spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
+                                   spec.get("pin", False))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -459,7 +504,7 @@ def main() -> None:
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
         specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only, aa=args.aa)]
+                      aux_only=args.aux_only, aa=args.aa, pin=args.pin)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
