@@ -8,7 +8,8 @@ then one-token decode steps; three bf16 aux outputs of ``--hidden`` columns on t
 like CUDA-graph outputs), with a row destination and its placer thread as in a real generation,
 and a device sleep per step standing in for the forward (the host waits for the step before
 each, as vLLM's asynchronous scheduling waits for the sampled tokens). It reports the mean host time of
-``on_forward`` per decode step and a cProfile of those calls (what each torch / numpy call costs).
+``on_forward`` per decode step (timed without a profiler) and a cProfile of those calls in a
+second run (what each torch / numpy call costs).
 
     python -m experiments.gpu.bench_recorder --out DIR [--requests 16 256] [--steps 128]
 """
@@ -53,11 +54,15 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
     aux = [torch.randn(padded, hidden, device=device, dtype=torch.bfloat16) for _ in LAYERS]
     input_ids = torch.randint(0, 1000, (padded,), device=device, dtype=torch.int32)
     cycles = int(forward_ms * 1.4e6)  # ~1.4 GHz clock: torch.cuda._sleep counts cycles
-    times, prof, forward_done = [], cProfile.Profile() if profile else None, []
+    times, schedule_times, prof, forward_done = [], [], cProfile.Profile() if profile else None, []
     for step in range(steps + 1):
         new = [(r, RequestTag(t, t % SAMPLES).to_extra_args()) for t, r in enumerate(req_ids)] if step == 0 else []
         n = prompt if step == 0 else 1
-        rec.on_schedule(ScheduledStep(new, {r: n for r in req_ids}, set()))
+        scheduled = ScheduledStep(new, {r: n for r in req_ids}, set())
+        t0 = time.perf_counter()
+        rec.on_schedule(scheduled)
+        if step:
+            schedule_times.append(time.perf_counter() - t0)
         start = 0 if step == 0 else prompt + step - 1
         positions = torch.arange(start, start + n, device=device).repeat(k)
         if positions.numel() < padded:
@@ -83,6 +88,7 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
     result = {"requests": k, "steps": steps, "rows": rows.num_rows, "error": rows.error,
               "record_ms_per_decode_step": 1e3 * float(np.mean(times)),
               "record_ms_p90": 1e3 * float(np.percentile(times, 90)),
+              "schedule_ms_per_decode_step": 1e3 * float(np.mean(schedule_times)),
               "place_seconds": rows.stats["place_seconds"], "drain_seconds_after_last_step": drain}
     if prof is not None:
         text = io.StringIO()
@@ -103,14 +109,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run(16, 8, args.prompt, args.hidden, args.forward_ms, False)  # warm-up: CUDA context, pinned pool
-    results = [run(k, args.steps, args.prompt, args.hidden, args.forward_ms, True) for k in args.requests]
+    results = []
+    for k in args.requests:  # timed without the profiler (it slows every Python call), then profiled
+        timed = run(k, args.steps, args.prompt, args.hidden, args.forward_ms, False)
+        profiled = run(k, args.steps, args.prompt, args.hidden, args.forward_ms, True)
+        results.append({**timed, "profile": profiled["profile"],
+                        "record_ms_per_decode_step_profiled": profiled["record_ms_per_decode_step"]})
     commit = provenance.commit()
     meta = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", "torch": torch.__version__, "commit": commit,
             "command": " ".join(["python -m experiments.gpu.bench_recorder", *sys.argv[1:]])}
     (out / "bench-recorder.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     for r in results:
         print(f"[recorder] {r['requests']} requests: {r['record_ms_per_decode_step']:.3f} ms/step "
-              f"(p90 {r['record_ms_p90']:.3f}), place {r['place_seconds']:.3f} s, rows {r['rows']}, "
+              f"(p90 {r['record_ms_p90']:.3f}; on_schedule {r['schedule_ms_per_decode_step']:.3f}), place {r['place_seconds']:.3f} s, rows {r['rows']}, "
               f"error {r['error']}", flush=True)
     print(results[-1]["profile"][:6000])
 
