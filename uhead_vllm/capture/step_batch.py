@@ -14,7 +14,7 @@ On CPU the same path runs with one host buffer and nothing in flight: a batch is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,11 +36,28 @@ ToHost = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 Sink = Callable[[list[tuple[Any, int]], torch.Tensor, torch.Tensor, Any, Callable[[], None] | None], None]
 
 
+#: Most cached target views per buffer (a few dozen (offset, rows) pairs recur in steady decoding).
+MAX_CACHED_VIEWS = 4096
+
+
 @dataclass
 class _Buffer:
     rows: torch.Tensor  # [capacity, C, H]
     meta: torch.Tensor  # [2, capacity] int64: positions, token ids
     copied: Any = None  # CUDA event: the last copy out of this buffer is done
+    _views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+    def views(self, offset: int, n: int) -> list[torch.Tensor]:
+        """Where ``n`` rows written at ``offset`` go: one view per column, then the positions and
+        the token ids. Cached: decode steps write the same (offset, rows) pairs again and again,
+        and making views is most of a step's host time on a GPU."""
+        found = self._views.get((offset, n))
+        if found is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            rows, meta = self.rows[offset : offset + n], self.meta[:, offset : offset + n]
+            found = self._views[(offset, n)] = [*rows.unbind(1), *meta.unbind(0)]
+        return found
 
 
 class StepBatcher:
@@ -75,17 +92,12 @@ class StepBatcher:
         if self._used + n_rows > self.capacity:
             self.flush()
         buf, o = self._buffers[self._active], self._used
+        targets, sources = [], []
         for a, b in runs:
-            n = b - a
-            dest = buf.rows[o : o + n]
-            if all(h.dtype == self.dtype for h in picked):
-                whole = a == 0 and b == picked[0].shape[0]  # an unpadded forward: no slicing
-                torch.stack(picked if whole else [h[a:b] for h in picked], dim=1, out=dest)
-            else:  # stack has no dtype conversion into ``out``: a copy per column
-                for j, h in enumerate(picked):
-                    dest[:, j].copy_(h[a:b])
-            torch.stack((positions[a:b], input_ids[a:b]), out=buf.meta[:, o : o + n])  # one call, int64
-            o += n
+            targets += buf.views(o, b - a)
+            sources += [_rows(t, a, b) for t in (*picked, positions, input_ids)]
+            o += b - a
+        _copy_all(targets, sources)
         self._used = o
         self._pending.append((facts, n_rows))
         if len(self._pending) >= self.max_steps:
@@ -118,3 +130,13 @@ class StepBatcher:
                                  torch.empty((2, self.capacity), dtype=torch.int64, device=device))
                          for _ in range(count)]
 
+
+def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``t``; ``t`` itself when that is all of it (an unpadded forward)."""
+    return t if a == 0 and b == t.shape[0] else t[a:b]
+
+
+#: One call copies every (target, source) pair, converting dtypes as ``copy_`` does: per step the
+#: engine's thread pays one call into torch, not one per tensor (``torch.foreach.copy_`` is the
+#: public beta name in newer torch, ``torch._foreach_copy_`` the name it keeps for compatibility).
+_copy_all = getattr(getattr(torch, "foreach", None), "copy_", None) or torch._foreach_copy_
