@@ -53,6 +53,7 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
     padded = max(k * prompt, 512)
     aux = [torch.randn(padded, hidden, device=device, dtype=torch.bfloat16) for _ in LAYERS]
     input_ids = torch.randint(0, 1000, (padded,), device=device, dtype=torch.int32)
+    positions = torch.zeros(padded, device=device, dtype=torch.int64)
     cycles = int(forward_ms * 1.4e6)  # ~1.4 GHz clock: torch.cuda._sleep counts cycles
     times, schedule_times, prof, forward_done = [], [], cProfile.Profile() if profile else None, []
     for step in range(steps + 1):
@@ -64,9 +65,7 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
         if step:
             schedule_times.append(time.perf_counter() - t0)
         start = 0 if step == 0 else prompt + step - 1
-        positions = torch.arange(start, start + n, device=device).repeat(k)
-        if positions.numel() < padded:
-            positions = torch.cat([positions, torch.zeros(padded - positions.numel(), device=device, dtype=torch.int64)])
+        positions[: k * n] = torch.arange(start, start + n, device=device).repeat(k)  # in place, as vLLM's buffers
         if device.type == "cuda":
             torch.cuda._sleep(cycles)  # the forward the copies queue behind
             forward_done.append(torch.cuda.Event())
@@ -82,6 +81,7 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
             times.append(time.perf_counter() - t0)
         if len(forward_done) > 1:  # vLLM (async scheduling) waits for the step before's sampled tokens
             forward_done[-2].synchronize()
+    graphs = rec._batcher.graphs if rec._batcher is not None else None
     t0 = time.perf_counter()
     rows = rec.take()
     drain = time.perf_counter() - t0
@@ -89,7 +89,8 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
               "record_ms_per_decode_step": 1e3 * float(np.mean(times)),
               "record_ms_p90": 1e3 * float(np.percentile(times, 90)),
               "schedule_ms_per_decode_step": 1e3 * float(np.mean(schedule_times)),
-              "place_seconds": rows.stats["place_seconds"], "drain_seconds_after_last_step": drain}
+              "place_seconds": rows.stats["place_seconds"], "drain_seconds_after_last_step": drain,
+              "step_graphs": None if graphs is None else {"captured": graphs.captured, "replayed": graphs.replayed}}
     if prof is not None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
@@ -122,7 +123,7 @@ def main() -> None:
     for r in results:
         print(f"[recorder] {r['requests']} requests: {r['record_ms_per_decode_step']:.3f} ms/step "
               f"(p90 {r['record_ms_p90']:.3f}; on_schedule {r['schedule_ms_per_decode_step']:.3f}), place {r['place_seconds']:.3f} s, rows {r['rows']}, "
-              f"error {r['error']}", flush=True)
+              f"error {r['error']}, step graphs {r['step_graphs']}", flush=True)
     print(results[-1]["profile"][:6000])
 
 

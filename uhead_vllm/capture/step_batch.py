@@ -2,8 +2,9 @@
 
 A decode step of a small model is a few milliseconds of host work in vLLM, so every torch call the
 recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms of recording per
-step, a dozen calls, was 6% of the step). Here a step costs its device copies into a persistent
-buffer (the rows as one ``stack``, positions, token ids); every ``max_steps`` steps, or when the
+step, a dozen calls, was 6% of the step). Here a step costs one call that copies its rows,
+positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
+CUDA graph, step_graphs.py); every ``max_steps`` steps, or when the
 buffer is full, one asynchronous copy moves the batch to pinned host memory under one CUDA event,
 and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
 other is on its way to the host, and the main stream waits (on the device, never the host) for a
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from .step_graphs import StepGraphs
 
 #: Device memory per buffer (two on a GPU): 18 decode steps of 256 requests x 3 layers of SmolLM2's
 #: shape in bf16, 2 of an 8B model's (larger batches took the pinned staging ring's room faster than
@@ -72,6 +75,7 @@ class StepBatcher:
         self._active = 0
         self._used = 0  # rows of the active buffer written
         self._pending: list[tuple[Any, int]] = []  # (facts, rows) of the steps in the active buffer
+        self.graphs: StepGraphs | None = None  # on a GPU: recurring step copies as CUDA graphs
 
     @property
     def pending(self) -> int:
@@ -97,7 +101,10 @@ class StepBatcher:
             targets += buf.views(o, b - a)
             sources += [_rows(t, a, b) for t in (*picked, positions, input_ids)]
             o += b - a
-        _copy_all(targets, sources)
+        if self.graphs is not None and len(runs) == 1:
+            self.graphs.copy((self._active, self._used, n_rows), targets, sources)
+        else:
+            _copy_all(targets, sources)
         self._used = o
         self._pending.append((facts, n_rows))
         if len(self._pending) >= self.max_steps:
@@ -126,6 +133,8 @@ class StepBatcher:
 
     def _allocate(self, device: torch.device) -> None:
         count = 2 if device.type == "cuda" else 1
+        if device.type == "cuda":
+            self.graphs = StepGraphs(_copy_all)
         self._buffers = [_Buffer(torch.empty((self.capacity, self.columns, self.hidden), dtype=self.dtype, device=device),
                                  torch.empty((2, self.capacity), dtype=torch.int64, device=device))
                          for _ in range(count)]

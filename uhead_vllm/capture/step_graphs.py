@@ -1,0 +1,90 @@
+"""A decode step's device copies replayed as one CUDA graph.
+
+Copying a step's rows, positions and token ids into the batch buffer is five small kernels; on a
+GPU host each launch costs the engine's thread microseconds that a small model's decode step
+(~2-5 ms, host-bound) feels: ~0.09 ms a step at SmolLM2's shape (``bench_recorder``). Under CUDA
+graphs vLLM's outputs sit at the same addresses step after step, and the batch buffer's targets
+recur, so the copy of a given (targets, sources) layout is captured once as a graph and replayed
+with one launch afterwards.
+
+A layout is captured the second time it is seen (one-off layouts, e.g. prefill chunks, never pay
+for a capture), keyed by every tensor's address, shape, strides and dtype: a replay reads exactly
+what the eager copy would. Capture uses the low-level ``CUDAGraph.capture_begin`` on a side
+stream in thread-local mode (``torch.cuda.graph`` would synchronise the device, collect garbage
+and empty the allocator's cache on the engine's thread). If a capture fails, graphs are turned off
+for the recorder and copies stay eager: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+#: Captured graphs kept at most (then all are dropped and the ones in use are captured again).
+MAX_GRAPHS = 512
+
+
+class StepGraphs:
+    """Copies (target, source) pairs with a captured graph where one fits, eagerly otherwise."""
+
+    def __init__(self, copy_all: Callable[[list[torch.Tensor], list[torch.Tensor]], Any]) -> None:
+        self.copy_all = copy_all
+        self.enabled = True
+        self.captured = 0  # graphs captured (a counter for tests and benchmarks)
+        self.replayed = 0
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._seen: set[tuple] = set()
+        self._stream: torch.cuda.Stream | None = None
+        self._pool: Any = None
+
+    def copy(self, targets_key: Any, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        """``copy_all(targets, sources)``, on the current stream. ``targets_key`` names the
+        targets (persistent views of the batch buffer, the same tensors for the same key)."""
+        if not self.enabled:
+            self.copy_all(targets, sources)
+            return
+        key = (targets_key, *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in sources])
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:
+                if len(self._seen) >= 4 * MAX_GRAPHS:
+                    self._seen.clear()
+                self._seen.add(key)
+                self.copy_all(targets, sources)
+                return
+            graph = self._capture(key, targets, sources)
+            if graph is None:
+                self.copy_all(targets, sources)
+                return
+        graph.replay()
+        self.replayed += 1
+
+    def _capture(self, key: tuple, targets: list[torch.Tensor], sources: list[torch.Tensor]
+                 ) -> torch.cuda.CUDAGraph | None:
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.clear()
+        device = sources[0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(device)
+        torch.cuda.set_stream(self._stream)
+        try:
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self.copy_all(targets, sources)
+            finally:
+                graph.capture_end()
+        except Exception as exc:  # noqa: BLE001  (eager copies from now on; the rows are unaffected)
+            self.enabled = False
+            warnings.warn(f"uhead_vllm: step copies stay eager, capturing them as a CUDA graph failed: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        finally:
+            torch.cuda.set_stream(main)
+        self._graphs[key] = graph
+        self.captured += 1
+        return graph
