@@ -224,6 +224,7 @@ class Runner:
                                 "prefix_cache_rows": st.prefix_cache_rows,
                                 "rows_placed_during_generation": self._rows_placed,
                                 "record_seconds": st.record_seconds, "place_seconds": st.place_seconds,
+                                "forwards_replayed": st.forwards_replayed,
                                 "held_bytes": st.held_bytes, "row_files_created": files.created,
                                 "row_files_reused": files.reused})
 

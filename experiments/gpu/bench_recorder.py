@@ -90,7 +90,8 @@ def run(k: int, steps: int, prompt: int, hidden: int, forward_ms: float, profile
               "record_ms_p90": 1e3 * float(np.percentile(times, 90)),
               "schedule_ms_per_decode_step": 1e3 * float(np.mean(schedule_times)),
               "place_seconds": rows.stats["place_seconds"], "drain_seconds_after_last_step": drain,
-              "step_graphs": None if graphs is None else {"captured": graphs.captured, "replayed": graphs.replayed}}
+              "step_graphs": None if graphs is None else {"captured": graphs.captured,
+                                                          "replayed": rows.stats["forwards_replayed"]}}
     if prof is not None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)

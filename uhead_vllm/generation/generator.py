@@ -81,6 +81,7 @@ class GenerationStats:
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
     forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
+    forwards_replayed: int = 0  # of those, forwards whose row copy replayed a CUDA graph (GPU)
     record_seconds: float = 0.0  # worker time on the engine's thread recording rows (first pass)
     place_seconds: float = 0.0  # worker time writing rows into place beside the engine (first pass)
     rows_from_store: int = 0
@@ -424,6 +425,7 @@ class VllmHiddenStatesGenerator:
         expected = int(captured.stats.get("rows_expected", captured.num_rows))
         stats.forwards_seen = int(captured.stats.get("forwards_seen", 0))
         stats.forwards_recorded = int(captured.stats.get("forwards_recorded", 0))
+        stats.forwards_replayed = int(captured.stats.get("forwards_replayed", 0))
         stats.record_seconds = float(captured.stats.get("record_seconds", 0.0))
         stats.place_seconds = float(captured.stats.get("place_seconds", 0.0))
         missed = expected - captured.num_rows
