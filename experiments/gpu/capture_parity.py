@@ -1,10 +1,11 @@
 """GPU parity run: every row the generator returns equals Hugging Face's forward on the same ids.
 
 One engine per process (the runner is chosen by ``VLLM_USE_V2_MODEL_RUNNER``, which vLLM reads
-once). Three phases on one engine, prefix caching on, strict mode (a missed forward is an error):
+once). Four phases on one engine, prefix caching on, strict mode (a missed forward is an error):
   A. prompts sharing a long prefix, n=4 sampled answers;
   B. the same prompts again, n=2 (their prefix blocks now come from vLLM's prefix cache);
-  C. online best-of-n: 3 steps, 3 candidates per question per step, the first continues.
+  C. online best-of-n: 3 steps, 3 candidates per question per step, the first continues;
+  D. 72 tokens at a steady batch, so the recorder's step copies replay as CUDA graphs.
 Every returned sample is compared with HF on the GPU: relative L2 error per row and layer; the last
 index is the stream before the final norm, taken with a pre-hook on ``model.norm``.
 
@@ -90,6 +91,9 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
         chosen = phase(f"C_best_of_3_step{step}", texts,
                        SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=10 + step))
         texts = [t + c for t, c in zip(texts, chosen)]
+    # Long enough for the batch buffers to come round twice at a steady batch (16 steps a flush):
+    # the recorder's step copies then replay as CUDA graphs (forwards_replayed), checked like the rest.
+    phase("D_long", prompts[:4], SamplingParams(n=2, max_tokens=72, temperature=0.8, seed=3))
 
     from transformers import AutoModelForCausalLM
 
@@ -107,7 +111,8 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
         "phases": phases, "load_seconds": load_s,
         "totals": {k: sum(p[k] for p in phases.values())
                    for k in ("capture_missed_rows", "rows_recomputed", "prefix_cache_rows", "rows_from_store",
-                             "rows_from_shared_prefix", "rows_captured", "forwards_seen", "forwards_recorded")},
+                             "rows_from_shared_prefix", "rows_captured", "forwards_seen", "forwards_recorded",
+                             "forwards_replayed")},
     }
 
 
