@@ -93,7 +93,7 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
         texts = [t + c for t, c in zip(texts, chosen)]
     # Long enough for the batch buffers to come round twice at a steady batch (16 steps a flush):
     # the recorder's step copies then replay as CUDA graphs (forwards_replayed), checked like the rest.
-    phase("D_long", prompts[:4], SamplingParams(n=2, max_tokens=72, temperature=0.8, seed=3))
+    phase("D_long", prompts[:4], SamplingParams(n=2, max_tokens=72, temperature=0.8, seed=3, ignore_eos=True))
 
     from transformers import AutoModelForCausalLM
 
