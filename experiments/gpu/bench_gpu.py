@@ -11,10 +11,13 @@ process (each with vLLM's default engine-core process, Model Runner V2) and alte
 PAIRED_REPS of each per batch size: the ratio of the medians is then free of the process-to-process
 speed differences (±20% on the lent machines) that the one-process-per-configuration ratios carry.
 ``--paired --split`` adds two alternating series, the generator's request form sent untagged to
-each engine: the request form's price on the plain engine, the aux outputs' on the capturing one.
+each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
+``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
+engine-core process cores of their own (without it, identical engines differed by up to 9% on a
+lent H100 host; with it by ≤ 2.5%).
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
-    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split] ...
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split --aa] --pin ...
 """
 
 from __future__ import annotations
