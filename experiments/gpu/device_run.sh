@@ -11,6 +11,7 @@
 set -uo pipefail
 W=$(python3 -c "import tempfile; print(tempfile.gettempdir())")/w
 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
 export PYTHONPATH=$W/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
 what=$1; shift
