@@ -38,7 +38,7 @@ OUT = REPO_ROOT / "experiments" / "results" / "bench"
 K, CAPACITY, COLUMNS, HIDDEN, STEPS, PERIOD = 256, 190, 3, 576, 16, 0.08
 
 
-def batches(dest: RowDestination) -> dict[str, Callable[[int], None]]:
+def variants_of(dest: RowDestination) -> dict[str, Callable[[int], None]]:
     """Each variant's work for batch ``i`` (of 8 prepared ones)."""
     prepared = []
     for b in range(8):
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     dest = RowDestination(host_buffer((K * CAPACITY, COLUMNS, HIDDEN), torch.bfloat16),
                           {t: (t * CAPACITY, CAPACITY) for t in range(K)})
     dest.byte_rows[:] = 0  # every page touched once, as a reused row file's are
-    variants = batches(dest)
+    variants = variants_of(dest)
     start = time.perf_counter()
     variants["place_step"](0)
     alone_batch = time.perf_counter() - start
