@@ -126,7 +126,8 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
-                 split: bool = False, aux_only: bool = False, aa: bool = False, pin: bool = False) -> dict[str, Any]:
+                 split: bool = False, aux_only: bool = False, aa: bool = False, pin: bool = False,
+                 eager_copies: bool = False) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
@@ -136,6 +137,8 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     (``experiments/gpu/aux_only.py``) gets the same untagged requests: the aux outputs' price apart
     from the listener's. ``aa``: a second plain engine, built last, runs like the first: how far
     two identical engines differ here (the noise floor of every ratio, and any bias by build order).
+    ``eager_copies``: a second capturing engine whose step copies stay eager (no CUDA graphs,
+    ``UHEAD_STEP_GRAPHS=0``), so the graphs' gain is measured in the same run.
     Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
     after a switch of engines. ``pin``: this process and each engine-core process get cores of
     their own (:class:`CorePinner`), so the engines' threads neither share nor migrate between cores."""
@@ -152,12 +155,19 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(BATCHES))
     layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    pinner = CorePinner(2 + int(aa) + int(aux_only)) if pin else None
+    pinner = CorePinner(2 + int(aa) + int(aux_only) + int(eager_copies)) if pin else None
     runners: dict[str, Any] = {}
     for name, config, captured in (("plain-graphs", Config("plain", "compiled"), (0,)),
                                    ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers),
+                                   *((("ours-eager-copies", Config("ours", "compiled", "bfloat16"), layers),)
+                                     if eager_copies else ()),
                                    *((("plain-graphs-b", Config("plain", "compiled"), (0,)),) if aa else ())):
+        from uhead_vllm.capture.step_batch import STEP_GRAPHS_ENV
+
+        saved = os.environ.get(STEP_GRAPHS_ENV)
+        os.environ[STEP_GRAPHS_ENV] = "0" if name == "ours-eager-copies" else "1"  # read in the engine process
         runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True), prompts, big)
+        os.environ.pop(STEP_GRAPHS_ENV) if saved is None else os.environ.__setitem__(STEP_GRAPHS_ENV, saved)
         if pinner is not None:
             pinner.pin_new_engine(name)
     aux_llm = None
@@ -188,8 +198,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                     "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-graphs": ways["ours-graphs"]}
-            if aa:
-                ways["plain-graphs-b"] = runners["plain-graphs-b"].run
+            for name in ("plain-graphs-b", "ours-eager-copies"):
+                if name in runners:
+                    ways[name] = runners[name].run
             if aux_llm is not None:
                 ways["aux-only-untagged"] = lambda wl: untagged_run(aux_llm, inputs, params)
         seconds = {name: [] for name in ways}
@@ -279,7 +290,8 @@ def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
 
 
 #: Optional ways of ``--paired --split`` and their column labels in the report.
-EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)"}
+EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
+              "ours-eager-copies": "capture, step copies eager (no CUDA graphs)"}
 
 
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
@@ -330,9 +342,12 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
         for k in names:
             lines.append(f"| {k} | " + " | ".join(f"{1e3 * r['phase_median_seconds'].get(k, 0.0):.1f}"
                                                   for r in res["batches"].values()) + " |")
-    big = res["batches"][str(max(BATCHES) * N)]["extra"]["ours-graphs"]
-    lines += ["", f"Capture at {max(BATCHES) * N} sequences, last run: " + ", ".join(
-        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in big.items()), ""]
+    extras = res["batches"][str(max(BATCHES) * N)]["extra"]
+    for name in ("ours-graphs", "ours-eager-copies"):
+        if name in extras:
+            lines += ["", f"{name} at {max(BATCHES) * N} sequences, last run: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in extras[name].items())]
+    lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -463,6 +478,8 @@ def main() -> None:
                     help="--paired: this process and each engine-core process on cores of their own")
     ap.add_argument("--aa", action="store_true",
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
+    ap.add_argument("--eager-copies", action="store_true",
+                    help="--paired --split: also a capturing engine whose step copies stay eager (no CUDA graphs)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -475,7 +492,7 @@ def main() -> None:
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
                                    spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
-                                   spec.get("pin", False))
+                                   spec.get("pin", False), spec.get("eager_copies", False))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -507,7 +524,7 @@ def main() -> None:
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
         specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only, aa=args.aa, pin=args.pin)]
+                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, eager_copies=args.eager_copies)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue

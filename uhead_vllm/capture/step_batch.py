@@ -15,6 +15,7 @@ On CPU the same path runs with one host buffer and nothing in flight: a batch is
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,6 +29,9 @@ from .step_graphs import StepGraphs
 BUFFER_BYTES = 16 << 20
 #: Steps per batch at most: bounds how far the placer runs behind the engine.
 MAX_STEPS = 16
+#: Set to ``0`` in the engine's environment to keep step copies eager on a GPU (no CUDA graphs).
+STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
+
 
 #: The recorder's asynchronous device-to-host copy of rows [R, C, H] and metadata [2, R] (its one
 #: copy stream, so copies finish in order): host rows, host metadata, event, release.
@@ -133,7 +137,7 @@ class StepBatcher:
 
     def _allocate(self, device: torch.device) -> None:
         count = 2 if device.type == "cuda" else 1
-        if device.type == "cuda":
+        if device.type == "cuda" and os.environ.get(STEP_GRAPHS_ENV, "1") != "0":
             self.graphs = StepGraphs(_copy_all)
         self._buffers = [_Buffer(torch.empty((self.capacity, self.columns, self.hidden), dtype=self.dtype, device=device),
                                  torch.empty((2, self.capacity), dtype=torch.int64, device=device))
