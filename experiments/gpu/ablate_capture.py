@@ -10,7 +10,9 @@ vLLM's default engine-core process), so process-to-process noise cancels:
 - ``placed``: capture as shipped, rows written into the caller's shared buffer while vLLM runs.
 
 ``kept`` - ``untagged`` prices the engine thread's recording; ``placed`` - ``kept`` the placer
-thread (and the shared-memory destination) during the pass.
+thread (and the shared-memory destination) during the pass. ``--timing`` builds the engine with
+``experiments/gpu/step_timing.py``'s extension and splits every way's steps into launch, record
+and the rest of the step (sampling, scheduler, outputs), summed per run.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.ablate_capture --shape smollm2 \\
         --tokenizer .gpu/tok --out DIR
@@ -33,6 +35,22 @@ from experiments import provenance
 REPO = Path(__file__).resolve().parents[2]
 SEQUENCES = (16, 256)  # prompts x N samples
 REPS = 7
+STEP_PARTS = ("steps", "launch_ms", "record_ms", "rest_ms", "flushes", "rest_after_flush_mean_ms",
+              "rest_after_other_mean_ms")
+
+
+def step_phases(steps: list[list]) -> dict[str, Any]:
+    """One run's engine steps (``step_timing.py``: entered, launched, recorded, flushed) summed by
+    part in ms; a step's ``rest`` runs to the next step's entry, so the last step has none."""
+    launch = [1e3 * (b - a) for a, b, _, _ in steps]
+    record = [1e3 * (c - b) for _, b, c, _ in steps]
+    rest = [1e3 * (nxt[0] - c) for (_, _, c, _), nxt in zip(steps, steps[1:])]
+    after_flush = [r for r, (*_, flushed) in zip(rest, steps) if flushed]
+    after_other = [r for r, (*_, flushed) in zip(rest, steps) if not flushed]
+    return {"steps": len(steps), "launch_ms": sum(launch), "record_ms": sum(record), "rest_ms": sum(rest),
+            "flushes": len(after_flush),
+            "rest_after_flush_mean_ms": sum(after_flush) / len(after_flush) if after_flush else None,
+            "rest_after_other_mean_ms": sum(after_other) / len(after_other) if after_other else None}
 
 
 def main() -> None:
@@ -40,6 +58,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=["smollm2", "llama8b"], required=True)
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--timing", action="store_true", help="time each engine step's parts (step_timing.py)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     import torch
@@ -60,6 +79,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = rendered_prompts(tokenizer, max(SEQUENCES) // N)
     big = Workload(max(SEQUENCES) // N, N, MAX_TOKENS)
+    if args.timing:  # the engine loads this extension in place of the capture extension
+        import uhead_vllm.generation.backends.aux as aux_backend
+
+        aux_backend.EXTENSION_QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"
     runner = Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", (0, n_layers // 2, n_layers),
                     engine_settings(args.shape), prompts, big)
     runner.warmup(big)
@@ -83,7 +106,16 @@ def main() -> None:
             generator_module._physical_memory = physical_memory
         return {"seconds": r.seconds, **r.extra}
 
+    def timed(way: Any) -> Any:
+        def run(wl: Workload) -> dict[str, Any]:
+            runner.llm.collective_rpc("timing_take")  # steps of anything before
+            r = way(wl)
+            return {**r, **step_phases(json.loads(runner.llm.collective_rpc("timing_take")[0]))}
+        return run
+
     ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True)}
+    if args.timing:
+        ways = {name: timed(way) for name, way in ways.items()}
     result: dict[str, Any] = {}
     for seqs in SEQUENCES:
         wl = Workload(seqs // N, N, MAX_TOKENS)
@@ -96,6 +128,8 @@ def main() -> None:
                    "median_generate_seconds": float(np.median([r.get("vllm_generate_seconds", r["seconds"]) for r in rs])),
                    "median_record_seconds": float(np.median([r.get("record_seconds", 0.0) for r in rs])),
                    "median_place_seconds": float(np.median([r.get("place_seconds", 0.0) for r in rs])),
+                   **({f"median_{k}": float(np.median([r[k] for r in rs if r[k] is not None] or [np.nan]))
+                       for k in STEP_PARTS} if args.timing else {}),
                    "runs": rs}
             for name, rs in runs.items()}
     runner.close()
@@ -112,6 +146,13 @@ def main() -> None:
         for name, r in ways_result.items():
             lines.append(f"| {seqs} | {name} | {r['median_seconds']:.3f} | {r['median_generate_seconds']:.3f} | "
                          f"{r['median_record_seconds']:.3f} | {r['median_place_seconds']:.3f} |")
+    if args.timing:
+        lines += ["", "Engine steps (sums per run, ms; medians over runs; `rest`: from recording done to the "
+                  "next step, the engine's own work; means per step after a flush and after other steps):", "",
+                  "| sequences | way | " + " | ".join(STEP_PARTS) + " |", "|---|---|" + "---|" * len(STEP_PARTS)]
+        for seqs, ways_result in result.items():
+            for name, r in ways_result.items():
+                lines.append(f"| {seqs} | {name} | " + " | ".join(f"{r[f'median_{k}']:.3f}" for k in STEP_PARTS) + " |")
     (out / f"ablate-{args.shape}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 

@@ -1,0 +1,77 @@
+"""A worker extension for benchmarks only: the capture extension with a clock around every engine
+step, so ``ablate_capture --timing`` can say which part of a step grows when rows are captured.
+
+Per step it keeps three host timestamps in the engine-core process: ``execute_model`` entered (the
+listener's ``on_schedule``), the forward launched (the runner returned, before recording) and the
+recording done; and whether that step's recording flushed a batch to the host. From consecutive
+steps: ``launch`` (schedule to forward launched), ``record`` (the recorder's work), ``rest`` (from
+recording done to the next step: sampling, the scheduler, outputs; the engine's own work, where a
+thread beside it or a copy in the way would show). Untagged steps go through the same listener.
+
+Name ``StepTimingExtension`` as ``worker_extension_cls`` in place of the capture extension (only
+an engine-core process may import this module: it patches the extension's adapters there).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from uhead_vllm import adapters
+from uhead_vllm.capture import extension
+from uhead_vllm.capture.extension import UheadCaptureExtension
+
+QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"
+_runner_adapter = adapters.runner_adapter
+_STEPS: list[tuple[float, float, float, bool]] = []  # (entered, launched, recorded, flushed) per step
+
+
+class _TimedListener:
+    """Forwards to the recorder and keeps each step's timestamps."""
+
+    def __init__(self, recorder: Any):
+        self._recorder = recorder
+        self._entered = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._recorder, name)
+
+    def on_schedule(self, step: Any) -> None:
+        self._entered = time.perf_counter()
+        self._recorder.on_schedule(step)
+
+    def on_forward(self, step: Any) -> None:
+        launched = time.perf_counter()
+        placed = self._recorder.rows_placed
+        self._recorder.on_forward(step)
+        _STEPS.append((self._entered, launched, time.perf_counter(), self._recorder.rows_placed != placed))
+
+
+class _Timed:
+    """A runner adapter whose listener is wrapped in :class:`_TimedListener`."""
+
+    def __init__(self, adapter: Any):
+        self._adapter = adapter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+    def attach(self, runner: Any, listener: Any) -> None:
+        self._adapter.attach(runner, _TimedListener(listener))
+
+
+extension.adapters = type(adapters)("uhead_adapters_timed")  # this module's view only
+extension.adapters.__dict__.update({k: v for k, v in vars(adapters).items() if not k.startswith("__")})
+extension.adapters.runner_adapter = lambda runner: _Timed(_runner_adapter(runner))
+
+
+class StepTimingExtension(UheadCaptureExtension):
+    """The capture extension, installed by the patched after-load hook above."""
+
+    def timing_take(self) -> str:
+        """The steps timed since the last take, as JSON (no pickled objects cross processes)."""
+        steps = list(_STEPS)
+        _STEPS.clear()
+        return json.dumps(steps)
+
