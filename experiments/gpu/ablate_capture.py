@@ -37,6 +37,51 @@ SEQUENCES = (16, 256)  # prompts x N samples
 REPS = 7
 STEP_PARTS = ("steps", "launch_ms", "record_ms", "rest_ms", "flushes", "rest_after_flush_mean_ms",
               "rest_after_other_mean_ms")
+#: Per run, the engine-core process's main thread (the engine loop) and its other threads together
+#: (the placer, vLLM's socket threads, ...): CPU time, time runnable but waiting for a core, minor
+#: page faults, context switches (voluntary: it blocked, e.g. on the GIL or a lock).
+THREAD_PARTS = ("main_cpu_ms", "main_runq_ms", "main_minflt", "main_vol_switches", "main_invol_switches",
+                "others_cpu_ms", "others_runq_ms", "others_minflt", "busiest_other")
+
+
+def engine_threads() -> dict[tuple[int, int], dict[str, Any]]:
+    """Per thread of this process's child processes (vLLM's engine core): scheduler counters
+    from /proc (``schedstat``: ns on a core and ns runnable waiting; ``stat``: minor faults;
+    ``status``: context switches)."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        for task in Path(f"/proc/{child.pid}/task").glob("*"):
+            try:
+                run_ns, wait_ns, _ = (int(x) for x in (task / "schedstat").read_text().split())
+                stat = (task / "stat").read_text()
+                comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+                status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            except (OSError, ValueError):
+                continue  # the thread ended
+            out[(child.pid, int(task.name))] = {
+                "comm": comm, "cpu_ns": run_ns, "runq_ns": wait_ns, "minflt": int(fields[7]),
+                "vol": int(status.get("voluntary_ctxt_switches", 0)), "invol": int(status.get("nonvoluntary_ctxt_switches", 0))}
+    return out
+
+
+def thread_deltas(before: dict, after: dict) -> dict[str, Any]:
+    """What each thread did between two :func:`engine_threads` snapshots, as ``THREAD_PARTS``; the
+    main thread is the engine-core process's first (its tid is its pid)."""
+    diff = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in ("cpu_ns", "runq_ns", "minflt", "vol", "invol")}
+            | {"comm": v["comm"], "tid": k[1]} for k, v in after.items()}
+    main = [d for (pid, tid), d in diff.items() if pid == tid]
+    main = max(main, key=lambda d: d["cpu_ns"]) if main else None
+    others = [d for d in diff.values() if d is not main]
+    busiest = max(others, key=lambda d: d["cpu_ns"], default=None)
+    if main is None:
+        return {k: None for k in THREAD_PARTS}
+    return {"main_cpu_ms": main["cpu_ns"] / 1e6, "main_runq_ms": main["runq_ns"] / 1e6, "main_minflt": main["minflt"],
+            "main_vol_switches": main["vol"], "main_invol_switches": main["invol"],
+            "others_cpu_ms": sum(d["cpu_ns"] for d in others) / 1e6, "others_runq_ms": sum(d["runq_ns"] for d in others) / 1e6,
+            "others_minflt": sum(d["minflt"] for d in others),
+            "busiest_other": None if busiest is None else f"{busiest['comm']} {busiest['cpu_ns'] / 1e6:.1f} ms"}
 
 
 def step_phases(steps: list[list]) -> dict[str, Any]:
@@ -109,8 +154,10 @@ def main() -> None:
     def timed(way: Any) -> Any:
         def run(wl: Workload) -> dict[str, Any]:
             runner.llm.collective_rpc("timing_take")  # steps of anything before
+            before = engine_threads()
             r = way(wl)
-            return {**r, **step_phases(json.loads(runner.llm.collective_rpc("timing_take")[0]))}
+            threads = thread_deltas(before, engine_threads())
+            return {**r, **step_phases(json.loads(runner.llm.collective_rpc("timing_take")[0])), **threads}
         return run
 
     ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True)}
@@ -129,7 +176,7 @@ def main() -> None:
                    "median_record_seconds": float(np.median([r.get("record_seconds", 0.0) for r in rs])),
                    "median_place_seconds": float(np.median([r.get("place_seconds", 0.0) for r in rs])),
                    **({f"median_{k}": float(np.median([r[k] for r in rs if r[k] is not None] or [np.nan]))
-                       for k in STEP_PARTS} if args.timing else {}),
+                       for k in STEP_PARTS + THREAD_PARTS[:-1]} if args.timing else {}),
                    "runs": rs}
             for name, rs in runs.items()}
     runner.close()
@@ -153,6 +200,13 @@ def main() -> None:
         for seqs, ways_result in result.items():
             for name, r in ways_result.items():
                 lines.append(f"| {seqs} | {name} | " + " | ".join(f"{r[f'median_{k}']:.3f}" for k in STEP_PARTS) + " |")
+        lines += ["", "Engine-core threads per run (medians; `runq`: runnable but waiting for a core; the busiest "
+                  "other thread of the last run):", "",
+                  "| sequences | way | " + " | ".join(THREAD_PARTS) + " |", "|---|---|" + "---|" * len(THREAD_PARTS)]
+        for seqs, ways_result in result.items():
+            for name, r in ways_result.items():
+                lines.append(f"| {seqs} | {name} | " + " | ".join(f"{r[f'median_{k}']:.1f}" for k in THREAD_PARTS[:-1])
+                             + f" | {r['runs'][-1].get('busiest_other')} |")
     (out / f"ablate-{args.shape}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
