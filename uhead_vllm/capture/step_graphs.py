@@ -13,6 +13,14 @@ what the eager copy would. Capture uses the low-level ``CUDAGraph.capture_begin`
 stream in thread-local mode (``torch.cuda.graph`` would synchronise the device, collect garbage
 and empty the allocator's cache on the engine's thread). If a capture fails, graphs are turned off
 for the recorder and copies stay eager: nothing is lost.
+
+Graphs must pay for themselves: capturing one costs the engine's thread ~0.35 ms (H100 host,
+``bench_recorder``), about ten eager copies. A generation of steady batches captures its few
+dozen layouts (16 offsets per buffer, two buffers) and replays them for the rest of the call and
+the calls after; batches whose size keeps changing (sequences finishing at different steps) may
+see a layout twice and never again. So beyond :data:`FREE_CAPTURES` graphs, a new one is captured
+only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the copy stays
+eager (the graphs already captured keep replaying).
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ import torch
 
 #: Captured graphs kept at most (then all are dropped and the ones in use are captured again).
 MAX_GRAPHS = 512
+#: Graphs captured without asking whether they pay (a steady batch's layouts: 2 buffers x 16 offsets).
+FREE_CAPTURES = 64
+#: Beyond those, a new graph is captured only while replays are at least this many per capture.
+REPLAYS_PER_CAPTURE = 2
 
 
 class StepGraphs:
@@ -33,7 +45,8 @@ class StepGraphs:
         self.copy_all = copy_all
         self.enabled = True
         self.captured = 0  # graphs captured (a counter for tests and benchmarks)
-        self.replayed = 0
+        self.replayed = 0  # replays since the recorder last read it (it resets this one)
+        self.replays_total = 0
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._seen: set[tuple] = set()
         self._stream: torch.cuda.Stream | None = None
@@ -54,25 +67,31 @@ class StepGraphs:
                 self._seen.add(key)
                 self.copy_all(targets, sources)
                 return
-            graph = self._capture(key, targets, sources)
+            graph = self._capture(key, targets, sources) if self._capture_pays() else None
             if graph is None:
                 self.copy_all(targets, sources)
                 return
         graph.replay()
         self.replayed += 1
+        self.replays_total += 1
+
+    def _capture_pays(self) -> bool:
+        """Whether one more capture is worth it (see the module docstring)."""
+        return self.captured < FREE_CAPTURES or self.replays_total >= REPLAYS_PER_CAPTURE * self.captured
 
     def _capture(self, key: tuple, targets: list[torch.Tensor], sources: list[torch.Tensor]
                  ) -> torch.cuda.CUDAGraph | None:
         if len(self._graphs) >= MAX_GRAPHS:
             self._graphs.clear()
         device = sources[0].device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        main = torch.cuda.current_stream(device)
-        torch.cuda.set_stream(self._stream)
+        main = None
         try:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            main = torch.cuda.current_stream(device)
+            torch.cuda.set_stream(self._stream)
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 self.copy_all(targets, sources)
@@ -84,7 +103,8 @@ class StepGraphs:
                           RuntimeWarning, stacklevel=2)
             return None
         finally:
-            torch.cuda.set_stream(main)
+            if main is not None:
+                torch.cuda.set_stream(main)
         self._graphs[key] = graph
         self.captured += 1
         return graph

@@ -1,0 +1,75 @@
+"""When the recorder's step copies are captured as graphs (capture/step_graphs.py): only where
+graphs pay. The capture itself needs a GPU (tests/gpu/test_step_graphs.py); here a stand-in graph
+that replays the copy it was made for checks the bookkeeping and that every copy lands."""
+
+from __future__ import annotations
+
+import torch
+
+from uhead_vllm.capture import step_graphs
+from uhead_vllm.capture.step_graphs import FREE_CAPTURES, REPLAYS_PER_CAPTURE, StepGraphs
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    for t, s in zip(targets, sources):
+        t.copy_(s)
+
+
+class _Replay:
+    """Stands in for a CUDA graph: replays the copy of the tensors it was captured with."""
+
+    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor]):
+        self.targets, self.sources = targets, sources
+
+    def replay(self) -> None:
+        _copy_all(self.targets, self.sources)
+
+
+class _HostGraphs(StepGraphs):
+    def _capture(self, key, targets, sources):  # noqa: ANN001  (the real one's bookkeeping, no CUDA)
+        self._graphs[key] = graph = _Replay(targets, sources)
+        self.captured += 1
+        return graph
+
+
+def _copy(graphs: StepGraphs, layout: int, target: torch.Tensor, sources: dict[int, torch.Tensor]) -> None:
+    """One step's copy of layout ``layout`` (its own source tensor), checked to have landed."""
+    source = sources.setdefault(layout, torch.empty(4))
+    source.normal_()
+    graphs.copy(("buffer", layout), [target], [source])
+    assert torch.equal(target, source)
+
+
+def test_steady_layouts_are_captured_on_their_second_sighting_and_replayed_after():
+    graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
+    for _ in range(10):
+        for layout in range(32):
+            _copy(graphs, layout, target, sources)
+    assert graphs.captured == 32
+    assert graphs.replays_total == graphs.replayed == 32 * 9  # all but each first sighting
+
+
+def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():
+    graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
+    for layout in range(1000, 1300):  # each seen exactly twice: a capture that is never replayed again
+        _copy(graphs, layout, target, sources)
+        _copy(graphs, layout, target, sources)
+    assert graphs.captured == FREE_CAPTURES  # then the copies stayed eager
+    assert graphs.replays_total == FREE_CAPTURES
+
+    for _ in range(REPLAYS_PER_CAPTURE):  # the captured layouts come back and replay
+        for layout in range(1000, 1000 + FREE_CAPTURES):
+            _copy(graphs, layout, target, sources)
+    assert graphs.replays_total >= REPLAYS_PER_CAPTURE * graphs.captured
+    _copy(graphs, 5000, target, sources)
+    _copy(graphs, 5000, target, sources)
+    assert graphs.captured == FREE_CAPTURES + 1  # captures pay again
+
+
+def test_a_failed_capture_leaves_copies_eager(monkeypatch):
+    graphs, target, sources = StepGraphs(_copy_all), torch.empty(4), {}
+    # On CPU the real capture fails (no CUDA stream): a warning, graphs off, every copy still lands.
+    monkeypatch.setattr(step_graphs.warnings, "warn", lambda *a, **k: None)
+    for _ in range(3):
+        _copy(graphs, 7, target, sources)
+    assert not graphs.enabled and graphs.captured == 0
