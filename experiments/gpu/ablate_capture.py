@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timing", action="store_true", help="time each engine step's parts (step_timing.py)")
+    ap.add_argument("--pin", action="store_true",
+                    help="this process and the engine-core process on 4 cores of their own each (bench_gpu.CorePinner)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     import torch
@@ -113,7 +115,8 @@ def main() -> None:
     import uhead_vllm.generation.generator as generator_module
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
-    from experiments.gpu.bench_gpu import MAX_TOKENS, N, engine_settings, fanout_requests, freeze_startup_heap
+    from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, engine_settings, fanout_requests,
+                                           freeze_startup_heap)
     from experiments.gpu.models import SHAPES, build_model
 
     out = Path(args.out)
@@ -128,8 +131,11 @@ def main() -> None:
         import uhead_vllm.generation.backends.aux as aux_backend
 
         aux_backend.EXTENSION_QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"
+    pinner = CorePinner(3) if args.pin else None  # 4 shares of a 16-core host, as bench_gpu --paired --pin
     runner = Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", (0, n_layers // 2, n_layers),
                     engine_settings(args.shape), prompts, big)
+    if pinner is not None:
+        pinner.pin_new_engine("capture")
     runner.warmup(big)
     freeze_startup_heap()
     physical_memory = generator_module._physical_memory
@@ -183,16 +189,19 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     meta = {"gpu": gpu, "vllm": vllm.__version__, "commit": provenance.commit(),
             "command": " ".join(["python -m experiments.gpu.ablate_capture", *sys.argv[1:]]),
-            "engine_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "reps": REPS}
+            "engine_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "reps": REPS,
+            "pinned_cores": None if pinner is None else pinner.assigned}
     (out / f"ablate-{args.shape}.json").write_text(json.dumps({"meta": meta, "results": result}, indent=1))
     lines = [f"# Capture's cost inside generate, {args.shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
              f"commit `{meta['commit']}`, command `{meta['command']}`; medians of {REPS} alternating runs on one engine.", "",
-             "| sequences | way | total s | inside generate s | engine-thread record s | placer s |",
-             "|---|---|---|---|---|---|"]
+             "| sequences | way | total s | inside generate s | (min-max) | engine-thread record s | placer s |",
+             "|---|---|---|---|---|---|---|"]
     for seqs, ways_result in result.items():
-        for name, r in ways_result.items():
+        for name, r in ways_result.items():  # the spread: a host with noisy neighbours shows here first
+            inside = [x.get("vllm_generate_seconds", x["seconds"]) for x in r["runs"]]
             lines.append(f"| {seqs} | {name} | {r['median_seconds']:.3f} | {r['median_generate_seconds']:.3f} | "
-                         f"{r['median_record_seconds']:.3f} | {r['median_place_seconds']:.3f} |")
+                         f"{min(inside):.3f}-{max(inside):.3f} | {r['median_record_seconds']:.3f} | "
+                         f"{r['median_place_seconds']:.3f} |")
     if args.timing:
         lines += ["", "Engine steps (sums per run, ms; medians over runs; `rest`: from recording done to the "
                   "next step, the engine's own work; means per step after a flush and after other steps):", "",
