@@ -147,6 +147,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     from experiments.bench.phases import time_generator_phases, timed
     from experiments.bench.workload import Workload, rendered_prompts
     from transformers import AutoTokenizer
+    from uhead_vllm.capture.step_batch import STEP_GRAPHS_ENV
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
         raise RuntimeError("--paired needs vLLM's engine-core processes (VLLM_ENABLE_V1_MULTIPROCESSING=1): "
@@ -162,12 +163,13 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                                    *((("ours-eager-copies", Config("ours", "compiled", "bfloat16"), layers),)
                                      if eager_copies else ()),
                                    *((("plain-graphs-b", Config("plain", "compiled"), (0,)),) if aa else ())):
-        from uhead_vllm.capture.step_batch import STEP_GRAPHS_ENV
-
         saved = os.environ.get(STEP_GRAPHS_ENV)
         os.environ[STEP_GRAPHS_ENV] = "0" if name == "ours-eager-copies" else "1"  # read in the engine process
         runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True), prompts, big)
-        os.environ.pop(STEP_GRAPHS_ENV) if saved is None else os.environ.__setitem__(STEP_GRAPHS_ENV, saved)
+        if saved is None:
+            del os.environ[STEP_GRAPHS_ENV]
+        else:
+            os.environ[STEP_GRAPHS_ENV] = saved
         if pinner is not None:
             pinner.pin_new_engine(name)
     aux_llm = None
