@@ -343,10 +343,7 @@ class RowRecorder:
         if self._copied is not None:
             self._copied.synchronize()  # type: ignore[attr-defined]
             self._copied = None
-        graphs = self._batcher.graphs if self._batcher is not None else None
-        replayed = 0
-        if graphs is not None:
-            replayed, graphs.replayed = graphs.replayed, 0
+        replayed = self._batcher.take_replayed() if self._batcher is not None else 0
         stats = {"forwards_seen": self.forwards_seen, "forwards_expected": self.forwards_expected,
                  "forwards_replayed": replayed,
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,

@@ -131,6 +131,13 @@ class StepBatcher:
             rows, meta, ready, release = buf.rows[:used], buf.meta[:, :used], None, None
         self.sink(pending, rows, meta, ready, release)
 
+    def take_replayed(self) -> int:
+        """Step copies replayed as CUDA graphs since the last take (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        replayed, self.graphs.replayed = self.graphs.replayed, 0
+        return replayed
+
     def discard(self) -> None:
         """Forget the steps not yet flushed (the recorder dropped its rows)."""
         self._pending, self._used = [], 0

@@ -9,6 +9,7 @@ as an error). Nothing is ever zero-filled.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import os
 import threading
@@ -196,11 +197,19 @@ def _invalid_per_seq(valid: torch.Tensor, bounds: np.ndarray) -> np.ndarray:
 def _shallow_copy(obj: Any) -> Any:
     """``copy.copy`` for vLLM's output objects (plain instances), without its pickle protocol
     round trip (4x faster; a call copies one per sample)."""
-    if not hasattr(obj, "__dict__") or any("__slots__" in c.__dict__ for c in type(obj).__mro__[:-1]):
+    kind = type(obj)
+    if not _plain_instances(kind) or not hasattr(obj, "__dict__"):
         return copy.copy(obj)
-    new = object.__new__(type(obj))
+    new = object.__new__(kind)
     new.__dict__.update(obj.__dict__)
     return new
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_instances(kind: type) -> bool:
+    """Whether instances of ``kind`` keep all their state in ``__dict__`` (no class in its MRO
+    declares ``__slots__``); looked up once per type, not per copy (it was 5 us of each copy)."""
+    return not any("__slots__" in c.__dict__ for c in kind.__mro__[:-1])
 
 
 class VllmHiddenStatesGenerator:
