@@ -14,7 +14,8 @@ speed differences (±20% on the lent machines) that the one-process-per-configur
 each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
 ``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
-lent H100 host; with it by ≤ 2.5%).
+lent H100 host; with it by ≤ 2.5%); ``--variant NAME`` (repeatable) one more capturing engine built
+another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch).
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split --aa] --pin ...
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from experiments import provenance
+from uhead_vllm.capture.placer import PLACE_AT_DRAIN_ENV
+from uhead_vllm.capture.step_batch import STEP_GRAPHS_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples
@@ -127,7 +130,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
                  split: bool = False, aux_only: bool = False, aa: bool = False, pin: bool = False,
-                 eager_copies: bool = False) -> dict[str, Any]:
+                 variants: tuple[str, ...] = ()) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
@@ -137,8 +140,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     (``experiments/gpu/aux_only.py``) gets the same untagged requests: the aux outputs' price apart
     from the listener's. ``aa``: a second plain engine, built last, runs like the first: how far
     two identical engines differ here (the noise floor of every ratio, and any bias by build order).
-    ``eager_copies``: a second capturing engine whose step copies stay eager (no CUDA graphs,
-    ``UHEAD_STEP_GRAPHS=0``), so the graphs' gain is measured in the same run.
+    ``variants``: names of :data:`CAPTURE_VARIANTS`, each one more capturing engine built with
+    its environment (read in its engine process), run like the shipped one: a change's worth
+    measured in the same run.
     Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
     after a switch of engines. ``pin``: this process and each engine-core process get cores of
     their own (:class:`CorePinner`), so the engines' threads neither share nor migrate between cores."""
@@ -147,7 +151,6 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     from experiments.bench.phases import time_generator_phases, timed
     from experiments.bench.workload import Workload, rendered_prompts
     from transformers import AutoTokenizer
-    from uhead_vllm.capture.step_batch import STEP_GRAPHS_ENV
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
         raise RuntimeError("--paired needs vLLM's engine-core processes (VLLM_ENABLE_V1_MULTIPROCESSING=1): "
@@ -156,20 +159,21 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(BATCHES))
     layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    pinner = CorePinner(2 + int(aa) + int(aux_only) + int(eager_copies)) if pin else None
+    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants)) if pin else None
     runners: dict[str, Any] = {}
-    for name, config, captured in (("plain-graphs", Config("plain", "compiled"), (0,)),
-                                   ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers),
-                                   *((("ours-eager-copies", Config("ours", "compiled", "bfloat16"), layers),)
-                                     if eager_copies else ()),
-                                   *((("plain-graphs-b", Config("plain", "compiled"), (0,)),) if aa else ())):
-        saved = os.environ.get(STEP_GRAPHS_ENV)
-        os.environ[STEP_GRAPHS_ENV] = "0" if name == "ours-eager-copies" else "1"  # read in the engine process
+    for name, config, captured, env in (
+            ("plain-graphs", Config("plain", "compiled"), (0,), {}),
+            ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
+            *((f"ours-{v}", Config("ours", "compiled", "bfloat16"), layers, CAPTURE_VARIANTS[v][0]) for v in variants),
+            *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read in the engine process it starts
         runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True), prompts, big)
-        if saved is None:
-            del os.environ[STEP_GRAPHS_ENV]
-        else:
-            os.environ[STEP_GRAPHS_ENV] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
         if pinner is not None:
             pinner.pin_new_engine(name)
     aux_llm = None
@@ -200,7 +204,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
                     "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-graphs": ways["ours-graphs"]}
-            for name in ("plain-graphs-b", "ours-eager-copies"):
+            for name in ("plain-graphs-b", *(f"ours-{v}" for v in variants)):
                 if name in runners:
                     ways[name] = runners[name].run
             if aux_llm is not None:
@@ -292,8 +296,13 @@ def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
 
 
 #: Optional ways of ``--paired --split`` and their column labels in the report.
+#: Capturing engines that ``--variant NAME`` adds: the environment each is built with, its label.
+CAPTURE_VARIANTS = {
+    "eager-copies": ({STEP_GRAPHS_ENV: "0"}, "capture, step copies eager (no CUDA graphs)"),
+    "placed-at-drain": ({PLACE_AT_DRAIN_ENV: "1"}, "capture, rows placed at the fetch (no placer thread during the pass)"),
+}
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
-              "ours-eager-copies": "capture, step copies eager (no CUDA graphs)"}
+              **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}
 
 
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
@@ -345,7 +354,7 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
             lines.append(f"| {k} | " + " | ".join(f"{1e3 * r['phase_median_seconds'].get(k, 0.0):.1f}"
                                                   for r in res["batches"].values()) + " |")
     extras = res["batches"][str(max(BATCHES) * N)]["extra"]
-    for name in ("ours-graphs", "ours-eager-copies"):
+    for name in ("ours-graphs", *(f"ours-{v}" for v in CAPTURE_VARIANTS)):
         if name in extras:
             lines += ["", f"{name} at {max(BATCHES) * N} sequences, last run: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in extras[name].items())]
@@ -480,8 +489,8 @@ def main() -> None:
                     help="--paired: this process and each engine-core process on cores of their own")
     ap.add_argument("--aa", action="store_true",
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
-    ap.add_argument("--eager-copies", action="store_true",
-                    help="--paired --split: also a capturing engine whose step copies stay eager (no CUDA graphs)")
+    ap.add_argument("--variant", action="append", default=[], choices=sorted(CAPTURE_VARIANTS),
+                    help="--paired --split: also a capturing engine built this way (repeatable; CAPTURE_VARIANTS)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -494,7 +503,7 @@ def main() -> None:
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
                                    spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
-                                   spec.get("pin", False), spec.get("eager_copies", False))
+                                   spec.get("pin", False), tuple(spec.get("variants", ())))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -526,7 +535,7 @@ def main() -> None:
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
         specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, eager_copies=args.eager_copies)]
+                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, variants=args.variant)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue

@@ -9,6 +9,7 @@ step is placed right away, in the caller's thread.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,10 @@ from .protocol import RowDestination, shared_mark
 SHARED_WRITES_PER_COPY = 8192
 #: Most queued steps the placer thread takes on one wake-up.
 MAX_STEPS_PER_WAKE = 32
+#: A measuring aid: set to ``1`` in the engine's environment to place a generation's rows only
+#: when they are fetched (no thread beside the engine while it runs; the rows wait in the pinned
+#: staging ring, so a call's rows must fit it, else steps fall back to pinned allocations).
+PLACE_AT_DRAIN_ENV = "UHEAD_PLACE_AT_DRAIN"
 
 
 @dataclass
@@ -111,13 +116,16 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
 
 
 class Placer:
-    """FIFO of steps to place; a daemon thread works it off when steps wait on a device copy."""
+    """FIFO of steps to place; a daemon thread works it off when steps wait on a device copy
+    (with ``at_drain``, :meth:`drain` places them instead, see :data:`PLACE_AT_DRAIN_ENV`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_drain: bool | None = None) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._seconds = 0.0
+        self.at_drain = os.environ.get(PLACE_AT_DRAIN_ENV) == "1" if at_drain is None else at_drain
+        self._held: list[tuple] = []  # at_drain: steps waiting for the drain
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor,
                chunks: ChunkSlots, done: Callable[[], None] | None = None) -> None:
@@ -125,6 +133,9 @@ class Placer:
         ``ready`` (a CUDA event, or None for rows already on the host); ``done`` runs after it,
         placed or not (it frees the step's staging memory)."""
         item = (ready, dest, hidden, meta, chunks, done)
+        if self.at_drain and (ready is not None or self._held):  # in order behind the steps held
+            self._held.append(item)
+            return
         if ready is None and self._thread is None:
             self._place([item])
             return
@@ -137,6 +148,9 @@ class Placer:
         """Wait until every submitted step is placed. Returns the first error since the last
         drain, if any, and the seconds spent placing since then (waits for copies excluded)."""
         self._queue.join()
+        if self._held:
+            held, self._held = self._held, []
+            self._place(held, next((item[0] for item in reversed(held) if item[0] is not None), None))
         error, self._error = self._error, None
         seconds, self._seconds = self._seconds, 0.0
         return error, seconds
