@@ -59,7 +59,6 @@ def test_rows_land_at_their_slots_after_the_copy_is_ready_and_last_write_wins():
     assert dest.tokens.tolist() == [100, 101, 102, -1, 100, 101, -1, -1, -1, -1]
 
 
-
 def test_placing_at_drain_holds_every_step_until_the_drain_and_keeps_their_order():
     """The measuring mode (``UHEAD_PLACE_AT_DRAIN=1``): no thread beside the engine; a step whose
     rows are already on the host queues behind held ones instead of overtaking them."""
@@ -76,6 +75,7 @@ def test_placing_at_drain_holds_every_step_until_the_drain_and_keeps_their_order
     assert error is None
     assert dest.buffer[:, 0, 0].tolist() == [1.0, 2.0, -1.0, -1.0, -1.0, -1.0]  # the later step wins
     assert Placer().at_drain is (os.environ.get("UHEAD_PLACE_AT_DRAIN") == "1")
+
 
 def test_in_one_placed_batch_the_last_row_for_a_place_wins_and_rows_of_unknown_tags_never_count():
     dest = RowDestination(torch.full((6, 1, 1), -1.0), {7: (0, 3), 8: (3, 3)})
