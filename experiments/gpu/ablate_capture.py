@@ -127,7 +127,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = rendered_prompts(tokenizer, max(SEQUENCES) // N)
     big = Workload(max(SEQUENCES) // N, N, MAX_TOKENS)
-    if args.timing:  # the engine loads this extension in place of the capture extension
+    if args.timing:  # the engine loads this extension in place of the capture extension (named, not
+        # imported: importing it here would patch this process's view of the capture adapters)
         import uhead_vllm.generation.backends.aux as aux_backend
 
         aux_backend.EXTENSION_QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"

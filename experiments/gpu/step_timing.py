@@ -4,7 +4,8 @@ step, so ``ablate_capture --timing`` can say which part of a step grows when row
 Per step it keeps three host timestamps in the engine-core process: ``execute_model`` entered (the
 listener's ``on_schedule``), the forward launched (the runner returned, before recording) and the
 recording done; and whether that step's recording flushed a batch to the host. From consecutive
-steps: ``launch`` (schedule to forward launched), ``record`` (the recorder's work), ``rest`` (from
+steps: ``launch`` (schedule to forward launched; it includes the recorder's ``on_schedule``),
+``record`` (the recorder's ``on_forward``), ``rest`` (from
 recording done to the next step: sampling, the scheduler, outputs; the engine's own work, where a
 thread beside it or a copy in the way would show). Untagged steps go through the same listener.
 
@@ -22,7 +23,6 @@ from uhead_vllm import adapters
 from uhead_vllm.capture import extension
 from uhead_vllm.capture.extension import UheadCaptureExtension
 
-QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"
 _runner_adapter = adapters.runner_adapter
 _STEPS: list[tuple[float, float, float, bool]] = []  # (entered, launched, recorded, flushed) per step
 
