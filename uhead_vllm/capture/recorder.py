@@ -85,10 +85,14 @@ class _Layout:
     key: bytes  # the forward's query_start_loc, as bytes
     tags: np.ndarray  # [C]
     samples: np.ndarray  # [C]
-    lens: np.ndarray  # [C] rows per chunk
-    slots: ChunkSlots  # where the chunks go in the destination
+    slots: ChunkSlots  # where the chunks go in the destination, with their rows per chunk
     runs: list[tuple[int, int]]  # row ranges of the forward to gather (adjacent chunks merged)
     n_rows: int
+
+    @property
+    def lens(self) -> np.ndarray:
+        """[C] rows per chunk."""
+        return self.slots.lens
 
     @classmethod
     def of(cls, batch: _Batch, qsl: np.ndarray, key: bytes) -> "_Layout":
@@ -97,7 +101,7 @@ class _Layout:
         starts, ends = qsl[chunk_req].astype(np.int64), qsl[chunk_req + 1].astype(np.int64)
         lens = ends - starts
         rows = None if batch.group_row is None else batch.group_row[scheduled]
-        return cls(key, batch.tags[scheduled], batch.samples[scheduled], lens,
+        return cls(key, batch.tags[scheduled], batch.samples[scheduled],
                    ChunkSlots(batch.first[scheduled], batch.capacity[scheduled], lens, rows),
                    _runs(starts, ends) if scheduled.size else [], int(lens.sum()))
 
