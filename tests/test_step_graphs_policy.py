@@ -47,6 +47,8 @@ def test_steady_layouts_are_captured_on_their_second_sighting_and_replayed_after
             _copy(graphs, layout, target, sources)
     assert graphs.captured == 32
     assert graphs.replays_total == graphs.replayed == 32 * 9  # all but each first sighting
+    assert graphs.take_replayed() == 32 * 9 and graphs.replayed == 0  # per generation; the total stays
+    assert graphs.replays_total == 32 * 9
 
 
 def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():

@@ -133,10 +133,7 @@ class StepBatcher:
 
     def take_replayed(self) -> int:
         """Step copies replayed as CUDA graphs since the last take (0 without graphs)."""
-        if self.graphs is None:
-            return 0
-        replayed, self.graphs.replayed = self.graphs.replayed, 0
-        return replayed
+        return 0 if self.graphs is None else self.graphs.take_replayed()
 
     def discard(self) -> None:
         """Forget the steps not yet flushed (the recorder dropped its rows)."""

@@ -45,8 +45,8 @@ class StepGraphs:
         self.copy_all = copy_all
         self.enabled = True
         self.captured = 0  # graphs captured (a counter for tests and benchmarks)
-        self.replayed = 0  # replays since the recorder last read it (it resets this one)
         self.replays_total = 0
+        self._replays_taken = 0  # replays_total at the last take_replayed
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._seen: set[tuple] = set()
         self._stream: torch.cuda.Stream | None = None
@@ -72,8 +72,17 @@ class StepGraphs:
                 self.copy_all(targets, sources)
                 return
         graph.replay()
-        self.replayed += 1
         self.replays_total += 1
+
+    @property
+    def replayed(self) -> int:
+        """Replays since the last :meth:`take_replayed`."""
+        return self.replays_total - self._replays_taken
+
+    def take_replayed(self) -> int:
+        """Replays since the last take; the count starts again from here."""
+        replayed, self._replays_taken = self.replayed, self.replays_total
+        return replayed
 
     def _capture_pays(self) -> bool:
         """Whether one more capture is worth it (see the module docstring)."""
