@@ -11,33 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from uhead_vllm import adapters
-from uhead_vllm.capture import extension
+from experiments.gpu.listener_patch import wrap_listener
 from uhead_vllm.capture.extension import UheadCaptureExtension
 
-_runner_adapter = adapters.runner_adapter
+
+def _no_listener(listener: Any) -> None:
+    """Attach nothing: the aux outputs stay enabled, no step is recorded."""
+    return None
 
 
-class _WithoutListener:
-    """A runner adapter that enables the aux outputs but attaches nothing."""
-
-    def __init__(self, adapter: Any):
-        self._adapter = adapter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapter, name)
-
-    def attach(self, runner: Any, listener: Any) -> None:
-        pass
-
-
-def _adapter_without_listener(runner: Any) -> Any:
-    return _WithoutListener(_runner_adapter(runner))
-
-
-extension.adapters = type(adapters)("uhead_adapters_without_listener")  # this module's view only
-extension.adapters.__dict__.update({k: v for k, v in vars(adapters).items() if not k.startswith("__")})
-extension.adapters.runner_adapter = _adapter_without_listener
+wrap_listener(_no_listener)
 
 
 class AuxOnlyExtension(UheadCaptureExtension):

@@ -10,7 +10,8 @@ recording done to the next step: sampling, the scheduler, outputs; the engine's 
 thread beside it or a copy in the way would show). Untagged steps go through the same listener.
 
 Name ``StepTimingExtension`` as ``worker_extension_cls`` in place of the capture extension (only
-an engine-core process may import this module: it patches the extension's adapters there).
+an engine-core process may import this module: it patches the extension's adapters there,
+``listener_patch.py``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ import json
 import time
 from typing import Any
 
-from uhead_vllm import adapters
-from uhead_vllm.capture import extension
+from experiments.gpu.listener_patch import wrap_listener
 from uhead_vllm.capture.extension import UheadCaptureExtension
 
-_runner_adapter = adapters.runner_adapter
 _STEPS: list[tuple[float, float, float, bool]] = []  # (entered, launched, recorded, flushed) per step
 
 
@@ -48,22 +47,7 @@ class _TimedListener:
         _STEPS.append((self._entered, launched, time.perf_counter(), self._recorder.rows_placed != placed))
 
 
-class _Timed:
-    """A runner adapter whose listener is wrapped in :class:`_TimedListener`."""
-
-    def __init__(self, adapter: Any):
-        self._adapter = adapter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapter, name)
-
-    def attach(self, runner: Any, listener: Any) -> None:
-        self._adapter.attach(runner, _TimedListener(listener))
-
-
-extension.adapters = type(adapters)("uhead_adapters_timed")  # this module's view only
-extension.adapters.__dict__.update({k: v for k, v in vars(adapters).items() if not k.startswith("__")})
-extension.adapters.runner_adapter = lambda runner: _Timed(_runner_adapter(runner))
+wrap_listener(_TimedListener)
 
 
 class StepTimingExtension(UheadCaptureExtension):
