@@ -12,7 +12,10 @@ vLLM's default engine-core process), so process-to-process noise cancels:
 ``kept`` - ``untagged`` prices the engine thread's recording; ``placed`` - ``kept`` the placer
 thread (and the shared-memory destination) during the pass. ``--timing`` builds the engine with
 ``experiments/gpu/step_timing.py``'s extension and splits every way's steps into launch, record
-and the rest of the step (sampling, scheduler, outputs), summed per run.
+and the rest of the step (sampling, scheduler, outputs), summed per run, and times the engine
+process's garbage collections. ``--spy PY_SPY`` records the engine-core process with py-spy during
+every run and tables, per batch size, which frames of its main thread grow from ``untagged`` to
+``placed`` (``spy_stacks.py``; raw stacks kept in ``spy.tgz``).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.ablate_capture --shape smollm2 \\
         --tokenizer .gpu/tok --out DIR
@@ -23,7 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,10 @@ STEP_PARTS = ("steps", "launch_ms", "record_ms", "rest_ms", "flushes", "rest_aft
 #: Per run, the engine-core process's main thread (the engine loop) and its other threads together
 #: (the placer, vLLM's socket threads, ...): CPU time, time runnable but waiting for a core, minor
 #: page faults, context switches (voluntary: it blocked, e.g. on the GIL or a lock).
+#: Per run, the engine-core process's garbage collections (any thread) by generation, and their time.
+GC_PARTS = ("gc0", "gc1", "gc2", "gc_ms")
+#: py-spy's samples per second (``--spy``).
+SPY_RATE = 1000
 THREAD_PARTS = ("main_cpu_ms", "main_runq_ms", "main_minflt", "main_vol_switches", "main_invol_switches",
                 "others_cpu_ms", "others_runq_ms", "others_minflt", "busiest_other")
 
@@ -84,9 +94,13 @@ def thread_deltas(before: dict, after: dict) -> dict[str, Any]:
             "busiest_other": None if busiest is None else f"{busiest['comm']} {busiest['cpu_ns'] / 1e6:.1f} ms"}
 
 
-def step_phases(steps: list[list]) -> dict[str, Any]:
+def step_phases(taken: dict[str, Any]) -> dict[str, Any]:
     """One run's engine steps (``step_timing.py``: entered, launched, recorded, flushed) summed by
-    part in ms; a step's ``rest`` runs to the next step's entry, so the last step has none."""
+    part in ms (a step's ``rest`` runs to the next step's entry, so the last step has none), and
+    its garbage collections."""
+    steps, collections = taken["steps"], taken["gc"]
+    gc_parts = {"gc0": collections["collections"][0], "gc1": collections["collections"][1],
+                "gc2": collections["collections"][2], "gc_ms": 1e3 * sum(collections["seconds"])}
     launch = [1e3 * (b - a) for a, b, _, _ in steps]
     record = [1e3 * (c - b) for _, b, c, _ in steps]
     rest = [1e3 * (nxt[0] - c) for (_, _, c, _), nxt in zip(steps, steps[1:])]
@@ -95,7 +109,52 @@ def step_phases(steps: list[list]) -> dict[str, Any]:
     return {"steps": len(steps), "launch_ms": sum(launch), "record_ms": sum(record), "rest_ms": sum(rest),
             "flushes": len(after_flush),
             "rest_after_flush_mean_ms": sum(after_flush) / len(after_flush) if after_flush else None,
-            "rest_after_other_mean_ms": sum(after_other) / len(after_other) if after_other else None}
+            "rest_after_other_mean_ms": sum(after_other) / len(after_other) if after_other else None,
+            **gc_parts}
+
+
+def engine_pid() -> int:
+    """The engine-core process among this process's children (vLLM names it ``VLLM::EngineCore``)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    named = [c for c in children if "EngineCor" in c.name()]
+    if not named:
+        raise RuntimeError(f"no engine-core process among {[c.name() for c in children]}")
+    return named[0].pid
+
+
+class Spy:
+    """py-spy recording the engine-core process for the length of one run."""
+
+    def __init__(self, binary: str, pid: int, path: Path):
+        self.proc = subprocess.Popen([binary, "record", "--pid", str(pid), "--rate", str(SPY_RATE), "--format", "raw",
+                                      "--threads", "--nonblocking", "-o", str(path)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # attached and sampling before the run starts
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=60)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"py-spy failed ({self.proc.returncode}): {err.strip()[-500:]}")
+
+
+def spy_section(files: dict[tuple[int, str], list[Path]], pid: int) -> list[str]:
+    """Per batch size, the engine main thread's sampled time per run and the frames that grow
+    most from ``untagged`` to ``placed`` and to ``kept``."""
+    from experiments.gpu.spy_stacks import growth_table, per_run_ms
+
+    lines = ["", f"py-spy, the engine-core main thread (sampled at {SPY_RATE}/s while on a core; ms per run "
+             "with the frame on the stack, means over runs):"]
+    for seqs in sorted({s for s, _ in files}):
+        ways = {name: per_run_ms(paths, pid, SPY_RATE) for (s, name), paths in files.items() if s == seqs}
+        lines += ["", f"{seqs} sequences; sampled ms per run: "
+                  + ", ".join(f"{name} {total:.0f}" for name, (_, total) in ways.items())]
+        for other in ("placed", "kept"):
+            if "untagged" in ways and other in ways:
+                lines += ["", *growth_table(ways["untagged"][0], ways[other][0], "untagged", other)]
+    return lines
 
 
 def main() -> None:
@@ -104,6 +163,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timing", action="store_true", help="time each engine step's parts (step_timing.py)")
+    ap.add_argument("--spy", metavar="PY_SPY", help="py-spy's binary: record the engine core during every run")
+    ap.add_argument("--reps", type=int, default=REPS, help=f"runs of each way per batch size (default {REPS})")
     ap.add_argument("--pin", action="store_true",
                     help="this process and the engine-core process on 4 cores of their own each (bench_gpu.CorePinner)")
     args = ap.parse_args()
@@ -167,14 +228,32 @@ def main() -> None:
             return {**r, **step_phases(json.loads(runner.llm.collective_rpc("timing_take")[0])), **threads}
         return run
 
+    spy_dir = out / "spy"
+    spy_files: dict[tuple[int, str], list[Path]] = {}
+
+    def spied(name: str, way: Any) -> Any:
+        def run(wl: Workload) -> dict[str, Any]:
+            files = spy_files.setdefault((wl.num_prompts * wl.n, name), [])
+            path = spy_dir / f"{wl.num_prompts * wl.n}-{name}-{len(files)}.txt"
+            spy = Spy(args.spy, engine_pid(), path)
+            try:
+                return way(wl)
+            finally:
+                spy.stop()
+                files.append(path)
+        return run
+
     ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True)}
     if args.timing:
         ways = {name: timed(way) for name, way in ways.items()}
+    if args.spy:
+        spy_dir.mkdir(exist_ok=True)
+        ways = {name: spied(name, way) for name, way in ways.items()}
     result: dict[str, Any] = {}
     for seqs in SEQUENCES:
         wl = Workload(seqs // N, N, MAX_TOKENS)
         runs: dict[str, list[dict]] = {name: [] for name in ways}
-        for _ in range(REPS):
+        for _ in range(args.reps):
             for name, way in ways.items():
                 runs[name].append(way(wl))
         result[str(seqs)] = {
@@ -183,18 +262,19 @@ def main() -> None:
                    "median_record_seconds": float(np.median([r.get("record_seconds", 0.0) for r in rs])),
                    "median_place_seconds": float(np.median([r.get("place_seconds", 0.0) for r in rs])),
                    **({f"median_{k}": float(np.median([r[k] for r in rs if r[k] is not None] or [np.nan]))
-                       for k in STEP_PARTS + THREAD_PARTS[:-1]} if args.timing else {}),
+                       for k in STEP_PARTS + GC_PARTS + THREAD_PARTS[:-1]} if args.timing else {}),
                    "runs": rs}
             for name, rs in runs.items()}
+    spied_pid = engine_pid() if args.spy else None
     runner.close()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     meta = {"gpu": gpu, "vllm": vllm.__version__, "commit": provenance.commit(),
             "command": " ".join(["python -m experiments.gpu.ablate_capture", *sys.argv[1:]]),
-            "engine_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "reps": REPS,
-            "pinned_cores": None if pinner is None else pinner.assigned}
+            "engine_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "reps": args.reps,
+            "pinned_cores": None if pinner is None else pinner.assigned, "engine_pid": spied_pid}
     (out / f"ablate-{args.shape}.json").write_text(json.dumps({"meta": meta, "results": result}, indent=1))
     lines = [f"# Capture's cost inside generate, {args.shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
-             f"commit `{meta['commit']}`, command `{meta['command']}`; medians of {REPS} alternating runs on one engine.", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`; medians of {args.reps} alternating runs on one engine.", "",
              "| sequences | way | total s | inside generate s | (min-max) | engine-thread record s | placer s |",
              "|---|---|---|---|---|---|---|"]
     for seqs, ways_result in result.items():
@@ -206,10 +286,12 @@ def main() -> None:
     if args.timing:
         lines += ["", "Engine steps (sums per run, ms; medians over runs; `rest`: from recording done to the "
                   "next step, the engine's own work; means per step after a flush and after other steps):", "",
-                  "| sequences | way | " + " | ".join(STEP_PARTS) + " |", "|---|---|" + "---|" * len(STEP_PARTS)]
+                  "| sequences | way | " + " | ".join(STEP_PARTS + GC_PARTS) + " |",
+                  "|---|---|" + "---|" * len(STEP_PARTS + GC_PARTS)]
         for seqs, ways_result in result.items():
             for name, r in ways_result.items():
-                lines.append(f"| {seqs} | {name} | " + " | ".join(f"{r[f'median_{k}']:.3f}" for k in STEP_PARTS) + " |")
+                lines.append(f"| {seqs} | {name} | "
+                             + " | ".join(f"{r[f'median_{k}']:.3f}" for k in STEP_PARTS + GC_PARTS) + " |")
         lines += ["", "Engine-core threads per run (medians; `runq`: runnable but waiting for a core; the busiest "
                   "other thread of the last run):", "",
                   "| sequences | way | " + " | ".join(THREAD_PARTS) + " |", "|---|---|" + "---|" * len(THREAD_PARTS)]
@@ -217,6 +299,10 @@ def main() -> None:
             for name, r in ways_result.items():
                 lines.append(f"| {seqs} | {name} | " + " | ".join(f"{r[f'median_{k}']:.1f}" for k in THREAD_PARTS[:-1])
                              + f" | {r['runs'][-1].get('busiest_other')} |")
+    if args.spy:
+        lines += spy_section(spy_files, meta["engine_pid"])
+        with tarfile.open(out / "spy.tgz", "w:gz") as tgz:
+            tgz.add(spy_dir, arcname="spy")
     (out / f"ablate-{args.shape}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 

@@ -9,6 +9,9 @@ steps: ``launch`` (schedule to forward launched; it includes the recorder's ``on
 recording done to the next step: sampling, the scheduler, outputs; the engine's own work, where a
 thread beside it or a copy in the way would show). Untagged steps go through the same listener.
 
+It also times the garbage collector in that process (every thread's collections, by generation),
+so a run's extra allocations show as collections rather than as slower vLLM code.
+
 Name ``StepTimingExtension`` as ``worker_extension_cls`` in place of the capture extension (only
 an engine-core process may import this module: it patches the extension's adapters there,
 ``listener_patch.py``).
@@ -16,6 +19,7 @@ an engine-core process may import this module: it patches the extension's adapte
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Any
@@ -24,6 +28,20 @@ from experiments.gpu.listener_patch import wrap_listener
 from uhead_vllm.capture.extension import UheadCaptureExtension
 
 _STEPS: list[tuple[float, float, float, bool]] = []  # (entered, launched, recorded, flushed) per step
+_GC = {"collections": [0, 0, 0], "seconds": [0.0, 0.0, 0.0]}  # per generation, since the last take
+_gc_started = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        g = info["generation"]
+        _GC["collections"][g] += 1
+        _GC["seconds"][g] += time.perf_counter() - _gc_started[0]
+
+
+gc.callbacks.append(_on_gc)
 
 
 class _TimedListener:
@@ -54,8 +72,10 @@ class StepTimingExtension(UheadCaptureExtension):
     """The capture extension, installed by the patched after-load hook above."""
 
     def timing_take(self) -> str:
-        """The steps timed since the last take, as JSON (no pickled objects cross processes)."""
-        steps = list(_STEPS)
+        """The steps timed and the collections since the last take, as JSON (no pickled objects
+        cross processes): ``{"steps": [...], "gc": {"collections": [g0, g1, g2], "seconds": [...]}}``."""
+        taken = {"steps": list(_STEPS), "gc": {k: list(v) for k, v in _GC.items()}}
         _STEPS.clear()
-        return json.dumps(steps)
+        _GC["collections"], _GC["seconds"] = [0, 0, 0], [0.0, 0.0, 0.0]
+        return json.dumps(taken)
 
