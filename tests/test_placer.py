@@ -494,6 +494,26 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
     assert rows.tags.numel() == 0 and rows.hidden_parts == []  # placed rows come back as a count
 
 
+def test_a_batch_is_sent_once_it_holds_flush_rows_rows_or_max_steps_steps(monkeypatch):
+    """Small batches of sequences flush rarely (by steps), large ones by rows; every row arrives."""
+    from uhead_vllm.capture import step_batch
+
+    monkeypatch.setattr(step_batch, "FLUSH_ROWS", 7)
+    monkeypatch.setattr(step_batch, "MAX_STEPS", 4)
+    sent: list[tuple[list, torch.Tensor]] = []
+    batcher = step_batch.StepBatcher(1, 2, torch.float32, lambda h, m: (h, m, None, None),
+                                     lambda steps, rows, meta, ready, release: sent.append((steps, rows.clone())))
+    source = torch.arange(40, dtype=torch.float32).reshape(20, 1, 2).expand(20, 1, 2)
+    ids = torch.arange(20)
+    step = 0
+    for rows in (1, 1, 1, 1, 1, 3, 3, 3):  # 4 steps of 1 row (MAX_STEPS), then 3+3+3 rows (FLUSH_ROWS)
+        batcher.add(step, [source[:, 0]], ids, ids, [(step, step + rows)], rows)
+        step += rows
+    batcher.flush()
+    assert [[facts for facts, _ in steps] for steps, _ in sent] == [[0, 1, 2, 3], [4, 5, 8], [11]]
+    assert torch.equal(torch.cat([rows for _, rows in sent])[:, 0], source[:14, 0])
+
+
 def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
     """The destination is handed over without waiting; ``settle`` reads the worker's answer once:
     a refusal drops the destination (rows then come with the fetch), an error propagates, and the

@@ -32,30 +32,46 @@ class _HostGraphs(StepGraphs):
         return graph
 
 
-def _copy(graphs: StepGraphs, layout: int, target: torch.Tensor, sources: dict[int, torch.Tensor]) -> None:
-    """One step's copy of layout ``layout`` (its own source tensor), checked to have landed."""
-    source = sources.setdefault(layout, torch.empty(4))
+def _copy(graphs: StepGraphs, layout: int, target: torch.Tensor, sources: dict[int, torch.Tensor],
+          source_of: int | None = None) -> None:
+    """One step's copy into layout ``layout``'s target from source ``source_of`` (default: the
+    layout's own source tensor), checked to have landed."""
+    source = sources.setdefault(layout if source_of is None else source_of, torch.empty(4))
     source.normal_()
     graphs.copy(("buffer", layout), [target], [source])
     assert torch.equal(target, source)
 
 
 def test_steady_layouts_are_captured_on_their_second_sighting_and_replayed_after():
+    """Decode steps of an unchanged batch: the same sources, written at offset after offset."""
     graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
     for _ in range(10):
         for layout in range(32):
-            _copy(graphs, layout, target, sources)
+            _copy(graphs, layout, target, sources, source_of=0)
     assert graphs.captured == 32
-    assert graphs.replays_total == graphs.replayed == 32 * 9  # all but each first sighting
-    assert graphs.take_replayed() == 32 * 9 and graphs.replayed == 0  # per generation; the total stays
-    assert graphs.replays_total == 32 * 9
+    # All but each layout's first steady sighting (the very first step has no step before it,
+    # so layout 0 is first seen steady in the second round).
+    replays = 32 * 9 - 1
+    assert graphs.replays_total == graphs.replayed == replays
+    assert graphs.take_replayed() == replays and graphs.replayed == 0  # per generation; the total stays
+    assert graphs.replays_total == replays
+
+
+def test_layouts_that_change_sources_from_the_step_before_stay_eager():
+    """Prefill chunks and the steps where the batch changes recur at most once a generation: never
+    captured, however often they come back, and every copy lands."""
+    graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
+    for _ in range(50):
+        for layout in (1, 2, 3):  # each from a source of its own: never the previous step's
+            _copy(graphs, layout, target, sources)
+    assert graphs.captured == 0 and graphs.replays_total == 0
 
 
 def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():
     graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
-    for layout in range(1000, 1300):  # each seen exactly twice: a capture that is never replayed again
-        _copy(graphs, layout, target, sources)
-        _copy(graphs, layout, target, sources)
+    for layout in range(1000, 1300):  # each seen as a steady step exactly twice (its first copy follows
+        for _ in range(3):            # another layout's): a capture that is never replayed again
+            _copy(graphs, layout, target, sources)
     assert graphs.captured == FREE_CAPTURES  # then the copies stayed eager
     assert graphs.replays_total == FREE_CAPTURES
 
@@ -63,8 +79,8 @@ def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():
         for layout in range(1000, 1000 + FREE_CAPTURES):
             _copy(graphs, layout, target, sources)
     assert graphs.replays_total >= REPLAYS_PER_CAPTURE * graphs.captured
-    _copy(graphs, 5000, target, sources)
-    _copy(graphs, 5000, target, sources)
+    for _ in range(3):
+        _copy(graphs, 5000, target, sources)
     assert graphs.captured == FREE_CAPTURES + 1  # captures pay again
 
 

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_a_layout_seen_twice_is_captured_and_replays_read_the_sources_current_values():
+def test_a_steady_layout_seen_twice_is_captured_and_replays_read_the_sources_current_values():
     from uhead_vllm.capture.step_batch import _copy_all
     from uhead_vllm.capture.step_graphs import StepGraphs
 
@@ -35,7 +35,9 @@ def test_a_layout_seen_twice_is_captured_and_replays_read_the_sources_current_va
         assert torch.equal(rows[o : o + n], torch.stack([t[:n] for t in aux], dim=1)), step
         assert torch.equal(meta[0, o : o + n], pos[:n]) and torch.equal(meta[1, o : o + n], ids[:n].long()), step
     assert graphs.enabled and graphs.captured == slots
-    assert graphs.replayed == steps - slots  # each layout's first sighting is copied eagerly
+    # Each layout's first steady sighting is copied eagerly, and so is the first step (no step
+    # before it to repeat).
+    assert graphs.replayed == steps - slots - 1
 
     moved = [t.clone() for t in aux]  # same shapes at other addresses: a new layout, copied eagerly
     graphs.copy(("buffer", 0, n), [*rows[:n].unbind(1), *meta[:, :n].unbind(0)], [t[:n] for t in (*moved, pos, ids)])

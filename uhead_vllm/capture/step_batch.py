@@ -4,9 +4,9 @@ A decode step of a small model is a few milliseconds of host work in vLLM, so ev
 recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms of recording per
 step, a dozen calls, was 6% of the step). Here a step costs one call that copies its rows,
 positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
-CUDA graph, step_graphs.py); every ``max_steps`` steps, or when the
-buffer is full, one asynchronous copy moves the batch to pinned host memory under one CUDA event,
-and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
+CUDA graph, step_graphs.py); once a batch holds :data:`FLUSH_ROWS` rows or :data:`MAX_STEPS`
+steps, or the buffer is full, one asynchronous copy moves the batch to pinned host memory under
+one CUDA event, and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
 other is on its way to the host, and the main stream waits (on the device, never the host) for a
 buffer's copy before writing into it again.
 
@@ -27,8 +27,15 @@ from .step_graphs import StepGraphs
 #: shape in bf16, 2 of an 8B model's (larger batches took the pinned staging ring's room faster than
 #: the placer freed it: 8 ms pinned allocations instead, bench_recorder). Larger steps go alone.
 BUFFER_BYTES = 16 << 20
-#: Steps per batch at most: bounds how far the placer runs behind the engine.
-MAX_STEPS = 16
+#: A batch is sent once it holds this many rows: the rows the placer still has to place when the
+#: generation ends (SmolLM2's shape: ~14 MB, a few ms). Small batches of sequences thus flush
+#: rarely: each flush costs the engine's thread ~0.2 ms and the placer thread's GIL hand-offs
+#: beside it (at 16 sequences, 16-step batches made ~13 more of the engine thread's blocking
+#: switches per flush, ``ablate_capture --timing``, 42642d0).
+FLUSH_ROWS = 4096
+#: Steps per batch at most (bounds how far the placer runs behind, and the offsets a steady batch
+#: writes at, so its step graphs).
+MAX_STEPS = 64
 #: Set to ``0`` in the engine's environment to keep step copies eager on a GPU (no CUDA graphs).
 STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
 
@@ -74,7 +81,7 @@ class StepBatcher:
         self.columns, self.hidden, self.dtype = columns, hidden, dtype
         self.to_host, self.sink = to_host, sink
         self.capacity = max(1, BUFFER_BYTES // (columns * hidden * dtype.itemsize))
-        self.max_steps = MAX_STEPS
+        self.max_steps, self.flush_rows = MAX_STEPS, FLUSH_ROWS
         self._buffers: list[_Buffer] = []
         self._active = 0
         self._used = 0  # rows of the active buffer written
@@ -111,7 +118,7 @@ class StepBatcher:
             _copy_all(targets, sources)
         self._used = o
         self._pending.append((facts, n_rows))
-        if len(self._pending) >= self.max_steps:
+        if len(self._pending) >= self.max_steps or o >= self.flush_rows:
             self.flush()
 
     def flush(self) -> None:
