@@ -514,6 +514,22 @@ def test_a_batch_is_sent_once_it_holds_flush_rows_rows_or_max_steps_steps(monkey
     assert torch.equal(torch.cat([rows for _, rows in sent])[:, 0], source[:14, 0])
 
 
+def test_the_batch_limits_come_from_the_engine_environment_when_given(monkeypatch):
+    from uhead_vllm.capture import step_batch
+
+    def limits() -> tuple[int, int]:
+        batcher = step_batch.StepBatcher(1, 2, torch.float32, None, None)  # type: ignore[arg-type]
+        return batcher.max_steps, batcher.flush_rows
+
+    assert limits() == (step_batch.MAX_STEPS, step_batch.FLUSH_ROWS)
+    monkeypatch.setenv(step_batch.STEP_BATCH_ENV, "16,1000000")
+    assert limits() == (16, 1000000)
+    for bad in ("16", "a,b", "0,5"):
+        monkeypatch.setenv(step_batch.STEP_BATCH_ENV, bad)
+        with pytest.raises(ValueError, match="STEPS,ROWS"):
+            limits()
+
+
 def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
     """The destination is handed over without waiting; ``settle`` reads the worker's answer once:
     a refusal drops the destination (rows then come with the fetch), an error propagates, and the

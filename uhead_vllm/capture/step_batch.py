@@ -38,6 +38,9 @@ FLUSH_ROWS = 4096
 MAX_STEPS = 64
 #: Set to ``0`` in the engine's environment to keep step copies eager on a GPU (no CUDA graphs).
 STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
+#: ``STEPS,ROWS`` in the engine's environment: :data:`MAX_STEPS` and :data:`FLUSH_ROWS` for its
+#: recorders (a measuring aid: ``bench_gpu --variant batch-16-steps`` is the batching before e1f7483).
+STEP_BATCH_ENV = "UHEAD_STEP_BATCH"
 
 
 #: The recorder's asynchronous device-to-host copy of rows [R, C, H] and metadata [2, R] (its one
@@ -81,7 +84,7 @@ class StepBatcher:
         self.columns, self.hidden, self.dtype = columns, hidden, dtype
         self.to_host, self.sink = to_host, sink
         self.capacity = max(1, BUFFER_BYTES // (columns * hidden * dtype.itemsize))
-        self.max_steps, self.flush_rows = MAX_STEPS, FLUSH_ROWS
+        self.max_steps, self.flush_rows = _batch_limits()
         self._buffers: list[_Buffer] = []
         self._active = 0
         self._used = 0  # rows of the active buffer written
@@ -153,6 +156,20 @@ class StepBatcher:
         self._buffers = [_Buffer(torch.empty((self.capacity, self.columns, self.hidden), dtype=self.dtype, device=device),
                                  torch.empty((2, self.capacity), dtype=torch.int64, device=device))
                          for _ in range(count)]
+
+
+def _batch_limits() -> tuple[int, int]:
+    """Steps and rows per batch at most: :data:`STEP_BATCH_ENV` if set, else the defaults."""
+    given = os.environ.get(STEP_BATCH_ENV)
+    if not given:
+        return MAX_STEPS, FLUSH_ROWS
+    try:
+        steps, rows = (int(x) for x in given.split(","))
+    except ValueError:
+        raise ValueError(f"{STEP_BATCH_ENV}={given!r}: expected STEPS,ROWS (two positive integers)") from None
+    if steps < 1 or rows < 1:
+        raise ValueError(f"{STEP_BATCH_ENV}={given!r}: expected STEPS,ROWS (two positive integers)")
+    return steps, rows
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
