@@ -26,10 +26,8 @@ class _Replay:
 
 
 class _HostGraphs(StepGraphs):
-    def _capture(self, key, targets, sources):  # noqa: ANN001  (the real one's bookkeeping, no CUDA)
-        self._graphs[key] = graph = _Replay(targets, sources)
-        self.captured += 1
-        return graph
+    def _graph_of(self, targets, sources):  # noqa: ANN001  (the real bookkeeping around it, no CUDA)
+        return _Replay(targets, sources)
 
 
 def _copy(graphs: StepGraphs, layout: int, target: torch.Tensor, sources: dict[int, torch.Tensor],
@@ -82,6 +80,24 @@ def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():
     for _ in range(3):
         _copy(graphs, 5000, target, sources)
     assert graphs.captured == FREE_CAPTURES + 1  # captures pay again
+
+
+def test_once_the_graphs_are_dropped_steady_layouts_are_captured_and_replayed_again(monkeypatch):
+    """At MAX_GRAPHS every graph is dropped; the policy counts from there, so the layouts in use
+    come back as graphs (counted over all time, no graph was left to replay and none was captured
+    again)."""
+    monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 8)
+    monkeypatch.setattr(step_graphs, "FREE_CAPTURES", 4)
+    graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
+    for size in range(3):  # three batch sizes in turn, 8 steady layouts each (two buffers x 4 offsets)
+        for _ in range(6):
+            for layout in range(8):
+                _copy(graphs, 100 * size + layout, target, sources, source_of=size)
+    before = graphs.replays_total
+    for _ in range(3):
+        for layout in range(8):
+            _copy(graphs, layout, target, sources, source_of=0)  # the first size again
+    assert graphs.replays_total - before >= 8  # its layouts replay again
 
 
 def test_a_failed_capture_leaves_copies_eager(monkeypatch):

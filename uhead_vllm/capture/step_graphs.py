@@ -24,7 +24,10 @@ dozen layouts (16 offsets per buffer, two buffers) and replays them for the rest
 the calls after; batches whose size keeps changing (sequences finishing at different steps) may
 see a steady layout twice and never again. So beyond :data:`FREE_CAPTURES` graphs, a new one is captured
 only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the copy stays
-eager (the graphs already captured keep replaying).
+eager (the graphs already captured keep replaying). Both are counted since the graphs were last
+dropped (at :data:`MAX_GRAPHS`): counted over all time, a full set dropped left no graph to
+replay, so replays never caught up and no copy was captured again (1b5dcde on an H100: 0
+replays once 16, 64 and 256 sequences had taken their turns).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-#: Captured graphs kept at most (then all are dropped and the ones in use are captured again).
-MAX_GRAPHS = 512
+#: Captured graphs kept at most (then all are dropped and the ones in use are captured again):
+#: room for the steady layouts of several batch sizes (up to 128 each).
+MAX_GRAPHS = 1024
 #: Graphs captured without asking whether they pay (a steady batch's layouts: 2 buffers x up to
 #: 64 offsets, step_batch.MAX_STEPS).
 FREE_CAPTURES = 128
@@ -52,6 +56,7 @@ class StepGraphs:
         self.captured = 0  # graphs captured (a counter for tests and benchmarks)
         self.replays_total = 0
         self._replays_taken = 0  # replays_total at the last take_replayed
+        self._kept_captures = self._kept_replays = 0  # since the graphs were last dropped
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._seen: set[tuple] = set()
         self._last_sources: tuple | None = None  # the sources of the step before
@@ -82,6 +87,7 @@ class StepGraphs:
                 return
         graph.replay()
         self.replays_total += 1
+        self._kept_replays += 1
 
     @property
     def replayed(self) -> int:
@@ -95,12 +101,24 @@ class StepGraphs:
 
     def _capture_pays(self) -> bool:
         """Whether one more capture is worth it (see the module docstring)."""
-        return self.captured < FREE_CAPTURES or self.replays_total >= REPLAYS_PER_CAPTURE * self.captured
+        return (self._kept_captures < FREE_CAPTURES
+                or self._kept_replays >= REPLAYS_PER_CAPTURE * self._kept_captures)
 
-    def _capture(self, key: tuple, targets: list[torch.Tensor], sources: list[torch.Tensor]
-                 ) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, key: tuple, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> Any:
+        """A new graph of this copy, kept under ``key`` (None: capturing failed, graphs are off)."""
+        graph = self._graph_of(targets, sources)
+        if graph is None:
+            return None
         if len(self._graphs) >= MAX_GRAPHS:
             self._graphs.clear()
+            self._kept_captures = self._kept_replays = 0
+        self._graphs[key] = graph
+        self.captured += 1
+        self._kept_captures += 1
+        return graph
+
+    def _graph_of(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> torch.cuda.CUDAGraph | None:
+        """The copy captured as a CUDA graph, on the side stream; on failure graphs are turned off."""
         device = sources[0].device
         main = None
         try:
@@ -123,6 +141,4 @@ class StepGraphs:
         finally:
             if main is not None:
                 torch.cuda.set_stream(main)
-        self._graphs[key] = graph
-        self.captured += 1
         return graph
