@@ -27,7 +27,7 @@ case $what in
     dir=$OUT/bench-$shape$([ "${ENGINE_PROCESS:-0}" = 1 ] && echo -engine-process)
     mkdir -p "$dir"
     timeout "${TIMEOUT:-540}" python3 -m experiments.gpu.bench_gpu --shape "$shape" --tokenizer .gpu/tok \
-      --out "$dir" "$@" 2>&1 | grep -E "^\[bench\]|Error" | tail -n 20
+      --out "$dir" "$@" 2>&1 | grep -E "^\[bench\]|Error|Warning: uhead_vllm" | tail -n 20
     cat "$dir"/bench-*.md 2>/dev/null | tail -n 16 ;;
   ablate)  # with ENGINE_PROCESS=1: capture's cost inside generate, split (experiments/gpu/ablate_capture.py)
     shape=$1; shift
