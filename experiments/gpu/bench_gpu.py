@@ -15,8 +15,8 @@ each engine: the request form's price on the plain engine, the aux outputs' on t
 ``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
 lent H100 host; with it by ≤ 2.5%); ``--variant NAME`` (repeatable) one more capturing engine built
-another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, the
-batching before e1f7483).
+another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches
+of up to 64 steps).
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split --aa] --pin ...
@@ -301,7 +301,7 @@ def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
 CAPTURE_VARIANTS = {
     "eager-copies": ({STEP_GRAPHS_ENV: "0"}, "capture, step copies eager (no CUDA graphs)"),
     "placed-at-drain": ({PLACE_AT_DRAIN_ENV: "1"}, "capture, rows placed at the fetch (no placer thread during the pass)"),
-    "batch-16-steps": ({STEP_BATCH_ENV: "16,1000000"}, "capture, batches of 16 steps (before e1f7483)"),
+    "batch-64-steps": ({STEP_BATCH_ENV: "64,4096"}, "capture, batches of 64 steps or 4096 rows"),
 }
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}

@@ -4,8 +4,8 @@ A decode step of a small model is a few milliseconds of host work in vLLM, so ev
 recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms of recording per
 step, a dozen calls, was 6% of the step). Here a step costs one call that copies its rows,
 positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
-CUDA graph, step_graphs.py); once a batch holds :data:`FLUSH_ROWS` rows or :data:`MAX_STEPS`
-steps, or the buffer is full, one asynchronous copy moves the batch to pinned host memory under
+CUDA graph, step_graphs.py); once a batch holds :data:`MAX_STEPS` steps or :data:`FLUSH_ROWS`
+rows, or the buffer is full, one asynchronous copy moves the batch to pinned host memory under
 one CUDA event, and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
 other is on its way to the host, and the main stream waits (on the device, never the host) for a
 buffer's copy before writing into it again.
@@ -27,19 +27,19 @@ from .step_graphs import StepGraphs
 #: shape in bf16, 2 of an 8B model's (larger batches took the pinned staging ring's room faster than
 #: the placer freed it: 8 ms pinned allocations instead, bench_recorder). Larger steps go alone.
 BUFFER_BYTES = 16 << 20
-#: A batch is sent once it holds this many rows: the rows the placer still has to place when the
-#: generation ends (SmolLM2's shape: ~14 MB, a few ms). Small batches of sequences thus flush
-#: rarely: each flush costs the engine's thread ~0.2 ms and the placer thread's GIL hand-offs
-#: beside it (at 16 sequences, 16-step batches made ~13 more of the engine thread's blocking
-#: switches per flush, ``ablate_capture --timing``, 42642d0).
+#: A batch is sent once it holds this many rows: bounds the rows the placer still has to place
+#: when the generation ends (SmolLM2's shape: ~14 MB, a few ms) for batches of more than 256 rows.
 FLUSH_ROWS = 4096
 #: Steps per batch at most (bounds how far the placer runs behind, and the offsets a steady batch
-#: writes at, so its step graphs).
-MAX_STEPS = 64
+#: writes at, so its step graphs). Fewer, larger batches for small batches of sequences (64 steps:
+#: 2 flushes instead of 8 at 16 sequences) were not shown to help: on H100 hosts at 3b34a17 the
+#: engine thread's recording grew (more layouts to capture) and the throughput differences were
+#: within what two identically configured engines differed by (docs/gpu.md, session 20).
+MAX_STEPS = 16
 #: Set to ``0`` in the engine's environment to keep step copies eager on a GPU (no CUDA graphs).
 STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
 #: ``STEPS,ROWS`` in the engine's environment: :data:`MAX_STEPS` and :data:`FLUSH_ROWS` for its
-#: recorders (a measuring aid: ``bench_gpu --variant batch-16-steps`` is the batching before e1f7483).
+#: recorders (a measuring aid: ``bench_gpu --variant batch-64-steps`` measures ``64,4096``).
 STEP_BATCH_ENV = "UHEAD_STEP_BATCH"
 
 

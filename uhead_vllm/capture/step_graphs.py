@@ -38,10 +38,10 @@ from typing import Any, Callable
 import torch
 
 #: Captured graphs kept at most (then all are dropped and the ones in use are captured again):
-#: room for the steady layouts of several batch sizes (up to 128 each).
+#: room for the steady layouts of many batch sizes (32 each).
 MAX_GRAPHS = 1024
-#: Graphs captured without asking whether they pay (a steady batch's layouts: 2 buffers x up to
-#: 64 offsets, step_batch.MAX_STEPS).
+#: Graphs captured without asking whether they pay (a steady batch's layouts: 2 buffers x 16
+#: offsets, step_batch.MAX_STEPS, for a few batch sizes).
 FREE_CAPTURES = 128
 #: Beyond those, a new graph is captured only while replays are at least this many per capture.
 REPLAYS_PER_CAPTURE = 2
