@@ -82,22 +82,21 @@ def test_layouts_that_never_recur_stop_being_captured_until_replays_pay_again():
     assert graphs.captured == FREE_CAPTURES + 1  # captures pay again
 
 
-def test_once_the_graphs_are_dropped_steady_layouts_are_captured_and_replayed_again(monkeypatch):
-    """At MAX_GRAPHS every graph is dropped; the policy counts from there, so the layouts in use
-    come back as graphs (counted over all time, no graph was left to replay and none was captured
-    again)."""
+def test_after_the_graphs_are_dropped_captures_are_free_again(monkeypatch):
+    """At MAX_GRAPHS every graph is dropped. The policy counts from there: the first captures after
+    the drop are free. (Counted over all time, the replays the dropped graphs had earned were no
+    longer growing, and new layouts waited for replays of graphs that were gone.)"""
     monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 8)
     monkeypatch.setattr(step_graphs, "FREE_CAPTURES", 4)
     graphs, target, sources = _HostGraphs(_copy_all), torch.empty(4), {}
-    for size in range(3):  # three batch sizes in turn, 8 steady layouts each (two buffers x 4 offsets)
-        for _ in range(6):
-            for layout in range(8):
-                _copy(graphs, 100 * size + layout, target, sources, source_of=size)
-    before = graphs.replays_total
-    for _ in range(3):
-        for layout in range(8):
-            _copy(graphs, layout, target, sources, source_of=0)  # the first size again
-    assert graphs.replays_total - before >= 8  # its layouts replay again
+    for layout in range(9):  # a change, a first steady sighting, the capture, one replay: the 9th drops all
+        for _ in range(4):
+            _copy(graphs, layout, target, sources)
+    assert graphs.captured == 9 and len(graphs._graphs) == 1
+    for layout in range(100, 103):  # new layouts, each seen steady twice
+        for _ in range(3):
+            _copy(graphs, layout, target, sources)
+    assert graphs.captured == 12
 
 
 def test_a_failed_capture_leaves_copies_eager(monkeypatch):

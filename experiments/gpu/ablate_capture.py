@@ -15,7 +15,7 @@ thread (and the shared-memory destination) during the pass. ``--timing`` builds 
 and the rest of the step (sampling, scheduler, outputs), summed per run, and times the engine
 process's garbage collections. ``--spy PY_SPY`` records the engine-core process with py-spy during
 every run and tables, per batch size, which frames of its main thread grow from ``untagged`` to
-``placed`` (``spy_stacks.py``; raw stacks kept in ``spy.tgz``).
+``placed``, inclusive and self (``spy_stacks.py``; raw stacks kept in ``spy.tgz``).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.ablate_capture --shape smollm2 \\
         --tokenizer .gpu/tok --out DIR
@@ -140,20 +140,26 @@ class Spy:
             raise RuntimeError(f"py-spy failed ({self.proc.returncode}): {err.strip()[-500:]}")
 
 
+#: The engine loop's frame: inclusive times count from it down (the engine core is forked, so its
+#: stacks begin with the frames of the process that built the engine).
+SPY_BELOW = "EngineCoreProc.run_busy_loop"
+
+
 def spy_section(files: dict[tuple[int, str], list[Path]], pid: int) -> list[str]:
     """Per batch size, the engine main thread's sampled time per run and the frames that grow
-    most from ``untagged`` to ``placed`` and to ``kept``."""
+    most from ``untagged`` to ``placed``: with the frame on the stack, and on top (self time)."""
     from experiments.gpu.spy_stacks import growth_table, per_run_ms
 
-    lines = ["", f"py-spy, the engine-core main thread (sampled at {SPY_RATE}/s while on a core; ms per run "
-             "with the frame on the stack, means over runs):"]
+    lines = ["", f"py-spy, the engine-core main thread (sampled at {SPY_RATE}/s while on a core; ms per run, "
+             "means over runs; inclusive from the engine loop down, and self time):"]
     for seqs in sorted({s for s, _ in files}):
-        ways = {name: per_run_ms(paths, pid, SPY_RATE) for (s, name), paths in files.items() if s == seqs}
+        ways = {name: per_run_ms(paths, pid, SPY_RATE, SPY_BELOW) for (s, name), paths in files.items() if s == seqs}
         lines += ["", f"{seqs} sequences; sampled ms per run: "
-                  + ", ".join(f"{name} {total:.0f}" for name, (_, total) in ways.items())]
-        for other in ("placed", "kept"):
-            if "untagged" in ways and other in ways:
-                lines += ["", *growth_table(ways["untagged"][0], ways[other][0], "untagged", other)]
+                  + ", ".join(f"{name} {total:.0f}" for name, (_, _, total) in ways.items())]
+        if "untagged" in ways and "placed" in ways:
+            for kind, index in (("inclusive", 0), ("self", 1)):
+                lines += ["", f"{kind}:", "", *growth_table(ways["untagged"][index], ways["placed"][index],
+                                                             "untagged", "placed", top=20)]
     return lines
 
 

@@ -26,9 +26,12 @@ def frame_name(frame: str) -> str:
     return f"{m['fn']} ({'/'.join(Path(m['file']).parts[-2:])})"
 
 
-def inclusive_samples(raw: str, tid: int) -> tuple[Counter, int]:
-    """Per frame, the samples of thread ``tid`` with that frame on the stack; and all its samples."""
-    per_frame: Counter = Counter()
+def frame_samples(raw: str, tid: int, below: str | None = None) -> tuple[Counter, Counter, int]:
+    """Thread ``tid``'s samples per frame: with the frame on the stack (inclusive, counting only
+    frames from the first one whose name starts with ``below``: a forked process's stacks begin
+    with its parent's frames, on every sample), with the frame on top (self), and all samples."""
+    inclusive: Counter = Counter()
+    own: Counter = Counter()
     total = 0
     for line in raw.splitlines():
         m = _LINE.match(line.strip())
@@ -36,22 +39,29 @@ def inclusive_samples(raw: str, tid: int) -> tuple[Counter, int]:
             continue
         count = int(m["count"])
         total += count
-        for name in {frame_name(f) for f in m["frames"].split(";") if f}:
-            per_frame[name] += count
-    return per_frame, total
+        frames = [frame_name(f) for f in m["frames"].split(";") if f]
+        if frames:
+            own[frames[-1]] += count
+        start = next((i for i, f in enumerate(frames) if below and f.startswith(below)), 0)
+        for name in set(frames[start:]):
+            inclusive[name] += count
+    return inclusive, own, total
 
 
-def per_run_ms(files: list[Path], tid: int, rate: int) -> tuple[dict[str, float], float]:
-    """Mean milliseconds per run on the stack, per frame, over ``files`` (one per run); and the
-    thread's mean sampled milliseconds per run."""
-    frames: Counter = Counter()
+def per_run_ms(files: list[Path], tid: int, rate: int, below: str | None = None
+               ) -> tuple[dict[str, float], dict[str, float], float]:
+    """Mean milliseconds per run, over ``files`` (one per run): per frame inclusive and self (see
+    :func:`frame_samples`), and the thread's sampled total."""
+    inclusive: Counter = Counter()
+    own: Counter = Counter()
     total = 0
     for f in files:
-        c, t = inclusive_samples(f.read_text(), tid)
-        frames.update(c)
+        i, o, t = frame_samples(f.read_text(), tid, below)
+        inclusive.update(i)
+        own.update(o)
         total += t
     scale = 1e3 / rate / max(1, len(files))
-    return {k: v * scale for k, v in frames.items()}, total * scale
+    return ({k: v * scale for k, v in inclusive.items()}, {k: v * scale for k, v in own.items()}, total * scale)
 
 
 def growth_table(base: dict[str, float], other: dict[str, float], base_name: str, other_name: str,
