@@ -6,9 +6,9 @@ step, a dozen calls, was 6% of the step). Here a step costs one call that copies
 positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
 CUDA graph, step_graphs.py); once a batch holds :data:`MAX_STEPS` steps or :data:`FLUSH_ROWS`
 rows, or the buffer is full, one asynchronous copy moves the batch to pinned host memory under
-one CUDA event, and the placer writes the batch's rows as one step. Two buffers alternate: one fills while the
-other is on its way to the host, and the main stream waits (on the device, never the host) for a
-buffer's copy before writing into it again.
+one CUDA event, and the placer writes the batch's rows as one step. Two buffers alternate: one
+fills while the other is on its way to the host, and the main stream waits (on the device, never
+the host) for a buffer's copy before writing into it again.
 
 On CPU the same path runs with one host buffer and nothing in flight: a batch is placed at flush.
 """
@@ -28,7 +28,8 @@ from .step_graphs import StepGraphs
 #: the placer freed it: 8 ms pinned allocations instead, bench_recorder). Larger steps go alone.
 BUFFER_BYTES = 16 << 20
 #: A batch is sent once it holds this many rows: bounds the rows the placer still has to place
-#: when the generation ends (SmolLM2's shape: ~14 MB, a few ms) for batches of more than 256 rows.
+#: when the generation ends (SmolLM2's shape: ~14 MB, a few ms). It binds when steps have more than
+#: 256 rows (16 steps of 256 reach it).
 FLUSH_ROWS = 4096
 #: Steps per batch at most (bounds how far the placer runs behind, and the offsets a steady batch
 #: writes at, so its step graphs). Fewer, larger batches for small batches of sequences (64 steps:
@@ -165,9 +166,10 @@ def _batch_limits() -> tuple[int, int]:
         return MAX_STEPS, FLUSH_ROWS
     try:
         steps, rows = (int(x) for x in given.split(","))
+        valid = steps >= 1 and rows >= 1
     except ValueError:
-        raise ValueError(f"{STEP_BATCH_ENV}={given!r}: expected STEPS,ROWS (two positive integers)") from None
-    if steps < 1 or rows < 1:
+        valid = False
+    if not valid:
         raise ValueError(f"{STEP_BATCH_ENV}={given!r}: expected STEPS,ROWS (two positive integers)")
     return steps, rows
 

@@ -13,8 +13,8 @@ steady step, one whose sources are those of the step before it (decode steps of 
 batch); prefill chunks and the steps where the batch changes stay eager. Those recur too, once a
 generation at most, at offsets that differ from call to call: on an H100 host they kept costing
 ~5 captures (~1.9 ms) per SmolLM2 call at 16 sequences, each worth ~14 replays' savings
-(``ablate_capture --spy``, 42642d0). Capture uses the low-level ``CUDAGraph.capture_begin`` on a side
-stream in thread-local mode (``torch.cuda.graph`` would synchronise the device, collect garbage
+(``ablate_capture --spy``, 42642d0). Capture uses the low-level ``CUDAGraph.capture_begin`` on a
+side stream in thread-local mode (``torch.cuda.graph`` would synchronise the device, collect garbage
 and empty the allocator's cache on the engine's thread). If a capture fails, graphs are turned off
 for the recorder and copies stay eager: nothing is lost.
 
@@ -22,12 +22,11 @@ Graphs must pay for themselves: capturing one costs the engine's thread ~0.35 ms
 ``bench_recorder``), about ten eager copies. A generation of steady batches captures its few
 dozen layouts (16 offsets per buffer, two buffers) and replays them for the rest of the call and
 the calls after; batches whose size keeps changing (sequences finishing at different steps) may
-see a steady layout twice and never again. So beyond :data:`FREE_CAPTURES` graphs, a new one is captured
-only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the copy stays
+see a steady layout twice and never again. So beyond :data:`FREE_CAPTURES` graphs, a new one is
+captured only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the copy stays
 eager (the graphs already captured keep replaying). Both are counted since the graphs were last
-dropped (at :data:`MAX_GRAPHS`): counted over all time, a full set dropped left no graph to
-replay, so replays never caught up and no copy was captured again (1b5dcde on an H100: 0
-replays once 16, 64 and 256 sequences had taken their turns).
+dropped (at :data:`MAX_GRAPHS`): counted over all time, the layouts in use after a drop waited for
+replays that only the dropped graphs could have earned.
 """
 
 from __future__ import annotations
