@@ -43,13 +43,13 @@ SEQUENCES = (16, 256)  # prompts x N samples
 REPS = 7
 STEP_PARTS = ("steps", "launch_ms", "record_ms", "rest_ms", "flushes", "rest_after_flush_mean_ms",
               "rest_after_other_mean_ms")
-#: Per run, the engine-core process's main thread (the engine loop) and its other threads together
-#: (the placer, vLLM's socket threads, ...): CPU time, time runnable but waiting for a core, minor
-#: page faults, context switches (voluntary: it blocked, e.g. on the GIL or a lock).
 #: Per run, the engine-core process's garbage collections (any thread) by generation, and their time.
 GC_PARTS = ("gc0", "gc1", "gc2", "gc_ms")
 #: py-spy's samples per second (``--spy``).
 SPY_RATE = 1000
+#: Per run, the engine-core process's main thread (the engine loop) and its other threads together
+#: (the placer, vLLM's socket threads, ...): CPU time, time runnable but waiting for a core, minor
+#: page faults, context switches (voluntary: it blocked, e.g. on the GIL or a lock).
 THREAD_PARTS = ("main_cpu_ms", "main_runq_ms", "main_minflt", "main_vol_switches", "main_invol_switches",
                 "others_cpu_ms", "others_runq_ms", "others_minflt", "busiest_other")
 
