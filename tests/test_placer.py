@@ -495,7 +495,8 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
 
 
 def test_a_batch_is_sent_once_it_holds_flush_rows_rows_or_max_steps_steps(monkeypatch):
-    """Small batches of sequences flush rarely (by steps), large ones by rows; every row arrives."""
+    """A batch is sent at MAX_STEPS steps or FLUSH_ROWS rows, whichever comes first; every row
+    arrives, in order."""
     from uhead_vllm.capture import step_batch
 
     monkeypatch.setattr(step_batch, "FLUSH_ROWS", 7)
