@@ -307,6 +307,24 @@ EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}
 
 
+#: Bootstrap draws for the intervals of the paired report's ratios.
+BOOTSTRAP_DRAWS = 4000
+
+
+def median_ratio_interval(a: list[float], b: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """An interval for ``median(a) / median(b)`` (a throughput ratio when ``a`` and ``b`` are seconds
+    of the same work): the repetitions resampled with replacement, each keeping its pair of runs (they
+    ran next to each other, so a host's drift hits both), ``level`` of the draws' ratios inside. A
+    ratio tells 5% apart only where its interval is narrower than that."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"need two equally long series of at least 2 runs, got {x.size} and {y.size}")
+    picks = np.random.default_rng(seed).integers(0, x.size, size=(BOOTSTRAP_DRAWS, x.size))
+    ratios = np.median(x[picks], axis=1) / np.median(y[picks], axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
+
+
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
     first = next(iter(res["batches"].values()))
     lines = [f"# GPU capture throughput, paired in one process, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
@@ -318,22 +336,25 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
              "includes the rows' fetch and assembly into per-sample tensors. A pair: the two runs of one "
              "repetition." + ("" if not res.get("pinned_cores") else " Cores pinned: " + "; ".join(
                  f"{k} {v[0]}-{v[-1]}" for k, v in res["pinned_cores"].items()) + "."), "",
-             "| sequences | plain median s | capture median s | throughput capture / plain (medians) | (best of each) "
-             "| pairs: median (min-max) |",
-             "|---|---|---|---|---|---|"]
+             "| sequences | plain median s | capture median s | throughput capture / plain (medians) "
+             "| 95% interval (bootstrap) | (best of each) | pairs: median (min-max) |",
+             "|---|---|---|---|---|---|---|"]
     for seqs, r in res["batches"].items():  # a pair: adjacent runs, so the machine's drift cancels
         med, pairs = r["median_seconds"], r["pair_ratios"]
+        lo, hi = median_ratio_interval(r["seconds"]["plain-graphs"], r["seconds"]["ours-graphs"])
         lines.append(f"| {seqs} | {med['plain-graphs']:.3f} | {med['ours-graphs']:.3f} | **{r['ratio_of_medians']:.3f}** "
-                     f"| {r['ratio_of_best']:.3f} | {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f}) |")
+                     f"| {lo:.3f}-{hi:.3f} | {r['ratio_of_best']:.3f} "
+                     f"| {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f}) |")
     extra = {k: label for k, label in EXTRA_WAYS.items() if k in first["median_seconds"]}
     if "plain-graphs-b" in extra:
-        lines += ["", "A/A: a second plain engine, built last, against the first (throughput, medians; pairs: "
-                  "median (min-max)): the noise floor of the ratios above.", ""]
+        lines += ["", "A/A: a second plain engine, built last, against the first (throughput, medians, with a "
+                  "95% bootstrap interval; pairs: median (min-max)): the noise floor of the ratios above.", ""]
         for seqs, r in res["batches"].items():
             a, b = r["seconds"]["plain-graphs"], r["seconds"]["plain-graphs-b"]
             pairs = [x / y for x, y in zip(a, b)]
-            lines.append(f"- {seqs} sequences: {float(np.median(a)) / float(np.median(b)):.3f}; pairs "
-                         f"{float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f})")
+            lo, hi = median_ratio_interval(a, b)
+            lines.append(f"- {seqs} sequences: {float(np.median(a)) / float(np.median(b)):.3f} ({lo:.3f}-{hi:.3f}); "
+                         f"pairs {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f})")
     if "plain-ids" in first["median_seconds"]:
         lines += ["", "The split: the generator's request form (token ids, one n=1 request per sample, no capture "
                   "tags) sent straight to each engine, alternating with the two above (median seconds; ratios are "

@@ -1,0 +1,32 @@
+"""The paired GPU bench's interval for a ratio of medians (experiments/gpu/bench_gpu.py): pure
+arithmetic, checked on series whose ratio is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments.gpu.bench_gpu import median_ratio_interval
+
+
+def test_series_in_a_fixed_ratio_give_exactly_that_ratio():
+    b = [0.31, 0.25, 0.40, 0.28, 0.33]
+    assert median_ratio_interval([2 * x for x in b], b) == pytest.approx((2.0, 2.0))
+
+
+def test_the_interval_holds_the_true_ratio_and_widens_with_noise():
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.6, 0.7, 40)
+    widths = []
+    for noise in (0.01, 0.2):
+        a = base * 1.05 * (1 + noise * rng.standard_normal(40))
+        b = base * (1 + noise * rng.standard_normal(40))
+        lo, hi = median_ratio_interval(list(a), list(b))
+        assert lo < 1.05 < hi
+        widths.append(hi - lo)
+    assert widths[0] < 0.05 < widths[1]
+
+
+def test_series_of_different_lengths_are_refused():
+    with pytest.raises(ValueError, match="equally long"):
+        median_ratio_interval([1.0, 2.0], [1.0])
