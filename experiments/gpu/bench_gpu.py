@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -167,14 +168,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
             ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
             *((f"ours-{v}", Config("ours", "compiled", "bfloat16"), layers, CAPTURE_VARIANTS[v][0]) for v in variants),
             *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read in the engine process it starts
-        runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True), prompts, big)
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+        with mock.patch.dict(os.environ, env):  # read in the engine process it starts
+            runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True),
+                                   prompts, big)
         if pinner is not None:
             pinner.pin_new_engine(name)
     aux_llm = None
