@@ -150,7 +150,7 @@ class Placer:
         self._queue.join()
         if self._held:
             held, self._held = self._held, []
-            self._place(held, next((item[0] for item in reversed(held) if item[0] is not None), None))
+            self._place(held, _last_ready(held))
         error, self._error = self._error, None
         seconds, self._seconds = self._seconds, 0.0
         return error, seconds
@@ -164,11 +164,9 @@ class Placer:
                 except queue.Empty:
                     break
             try:
-                # The copies complete in submission order (one copy stream): waiting for the last
-                # step's covers them all. One wait and one wake-up per batch, not per step, so the
-                # thread takes the engine's GIL less often when it runs behind.
-                last = next((item[0] for item in reversed(items) if item[0] is not None), None)
-                self._place(items, last)
+                # One wait and one wake-up per batch, not per step, so the thread takes the
+                # engine's GIL less often when it runs behind.
+                self._place(items, _last_ready(items))
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -195,3 +193,9 @@ class Placer:
             finally:
                 if done is not None:
                     done()
+
+
+def _last_ready(items: list[tuple]) -> Any:
+    """The last step's copy event among ``items`` (None: all were on the host already): the copies
+    complete in submission order (one copy stream), so it covers them all."""
+    return next((item[0] for item in reversed(items) if item[0] is not None), None)

@@ -23,8 +23,8 @@ Graphs must pay for themselves: capturing one costs the engine's thread ~0.35 ms
 dozen layouts (16 offsets per buffer, two buffers) and replays them for the rest of the call and
 the calls after; batches whose size keeps changing (sequences finishing at different steps) may
 see a steady layout twice and never again. So beyond :data:`FREE_CAPTURES` graphs, a new one is
-captured only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the copy stays
-eager (the graphs already captured keep replaying). Both are counted since the graphs were last
+captured only while replays outnumber captures :data:`REPLAYS_PER_CAPTURE` to one; otherwise the
+copy stays eager (the graphs already captured keep replaying). Both are counted since the graphs were last
 dropped (at :data:`MAX_GRAPHS`): counted over all time, the layouts in use after a drop waited for
 replays that only the dropped graphs could have earned.
 """
