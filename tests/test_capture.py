@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,13 +112,19 @@ def test_compiled_mode_rows_match_hf(tiny_models):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("mode,name", [("eager", "qwen3")])  # compiled: in-process test above; GPU TP=2 test
-def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
+@pytest.mark.parametrize("writes", ["placer", "file-writer"])
+def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name, writes):
+    """``file-writer``: the worker writes the rows into the shared file with the torch scatter a
+    GPU runs (capture/file_writer.py), here on the CPU, instead of the host placer."""
+    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
+
     model = tiny_models[name]
     layers = layers_for(model)
     out = tmp_path / "rows.safetensors"
     script = Path(__file__).parent / "scripts" / "capture_in_subprocess.py"
+    env = {**os.environ, FILE_WRITES_ENV: "1" if writes == "file-writer" else "0"}
     proc = subprocess.run([sys.executable, str(script), str(model), str(out), mode, json.dumps(list(layers))],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     t = load_file(str(out))
     seqs = {i: t[f"seq_{i}"].tolist() for i in range(3)}
@@ -127,6 +134,9 @@ def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name):
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     assert int(meta["rows_placed"]) == int(meta["rows_captured"]) > 0
+    on_device = int(meta["rows_placed"]) if writes == "file-writer" else 0
+    assert int(meta["rows_written_on_device"]) == on_device
+    assert (int(meta["again_rows_written_on_device"]) > 0) == (writes == "file-writer")
     assert int(meta["rows_from_shared_prefix"]) > 0 and int(meta["rows_from_store"]) == 0
     samples = sorted(k[: -len("_ids")] for k in t if k.startswith("gen_") and k.endswith("_ids"))
     assert len(samples) == 4

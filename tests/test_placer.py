@@ -267,10 +267,11 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     theirs3.buffer[4] = 3.0
     assert bool((mine3.buffer[4] == 3.0).all()) and mine3.buffer.shape == (5, 2, 3)
     assert files.idle_bytes() == 0
-    # 72 bytes of rows and 6 token marks after them (at 128, aligned): files are sized to a power of two
-    assert first.nbytes == 256 and spec.nbytes == 152
+    # 6 rows and a scratch row (84 bytes), then 7 token marks (at 128, aligned): files are sized
+    # to a power of two
+    assert first.nbytes == 256 and spec.nbytes == 156
     too_small = dataclasses.replace(spec3, shape=(24, 2, 3), slots={3: (0, 24)})
-    with pytest.raises(ValueError, match="holds 256 bytes, the destination needs 416"):
+    with pytest.raises(ValueError, match="holds 256 bytes, the destination needs 420"):
         too_small.open(mapped)
     del mine3, theirs3
     gc.collect()
@@ -445,14 +446,17 @@ def test_shared_row_files_refuse_rows_the_file_system_has_no_room_for(tmp_path, 
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
-def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch, model_dtype):
+@pytest.mark.parametrize("writes", ["placer", "file-writer"])
+def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch, model_dtype, writes):
     """The recorder's batched route (rows of several steps gathered in one buffer, flushed every
     few steps or when full, a prefill larger than the buffer copied on its own in between) puts
     every tagged row at its slot and keeps metadata in recording order; an untagged request
-    between tagged ones splits a step into two runs."""
+    between tagged ones splits a step into two runs. ``file-writer``: the batches are written by
+    the scatter a GPU runs into its row file (file_writer.py), here on CPU tensors."""
     from uhead_vllm.adapters import ScheduledStep, StepOutputs
     from uhead_vllm.capture import step_batch
-    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.file_writer import FileWriter
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, destination_nbytes, file_views
     from uhead_vllm.capture.recorder import RowRecorder
 
     monkeypatch.setattr(step_batch, "BUFFER_BYTES", 8 * 2 * 4 * 2)  # 8 rows of 2 columns x 4 bf16
@@ -460,9 +464,14 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
     layers, hidden, prompt, decode = (0, 2), 4, 5, 10
     rec = RowRecorder(CaptureSettings(layers=layers, dtype="bfloat16"), aux_layers=(0, 1, 2), hidden_size=hidden)
     capacity = prompt + decode
-    dest = RowDestination(torch.full((3 * capacity, 2, hidden), -1.0, dtype=torch.bfloat16),
-                          {t: (t * capacity, capacity) for t in range(3)})
-    rec.place_into(dest)
+    shape = (3 * capacity, 2, hidden)
+    byte_rows, marks = file_views(torch.zeros(destination_nbytes(shape, "bfloat16"), dtype=torch.uint8), shape,
+                                  "bfloat16")
+    buffer = byte_rows[: shape[0]].view(torch.bfloat16).view(shape)
+    buffer.fill_(-1.0)
+    marks.fill_(-1)
+    dest = RowDestination(buffer, {t: (t * capacity, capacity) for t in range(3)}, tokens=marks[: shape[0]])
+    rec.place_into(dest, FileWriter(byte_rows, marks) if writes == "file-writer" else None)
     req_ids = ["a", "x", "b", "c"]  # "x" is not captured
     tags = {"a": 0, "b": 1, "c": 2}
 
@@ -484,6 +493,7 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
         rec.place_into(dest)
     rows = rec.take()
     assert rows.error is None and rows.placed and rows.num_rows == 3 * (prompt + decode)
+    assert rows.stats["rows_written_on_device"] == (rows.num_rows if writes == "file-writer" else 0)
     assert rec.rows_recorded == 0 and rec.steps == []  # taken: afresh
     for r, t in tags.items():
         q = req_ids.index(r)
@@ -502,8 +512,7 @@ def test_a_batch_is_sent_once_it_holds_flush_rows_rows_or_max_steps_steps(monkey
     monkeypatch.setattr(step_batch, "FLUSH_ROWS", 7)
     monkeypatch.setattr(step_batch, "MAX_STEPS", 4)
     sent: list[tuple[list, torch.Tensor]] = []
-    batcher = step_batch.StepBatcher(1, 2, torch.float32, lambda h, m: (h, m, None, None),
-                                     lambda steps, rows, meta, ready, release: sent.append((steps, rows.clone())))
+    batcher = step_batch.StepBatcher(1, 2, torch.float32, lambda steps, rows, meta: sent.append((steps, rows.clone())))
     source = torch.arange(40, dtype=torch.float32).reshape(20, 1, 2).expand(20, 1, 2)
     ids = torch.arange(20)
     step = 0
@@ -519,7 +528,7 @@ def test_the_batch_limits_come_from_the_engine_environment_when_given(monkeypatc
     from uhead_vllm.capture import step_batch
 
     def limits() -> tuple[int, int]:
-        batcher = step_batch.StepBatcher(1, 2, torch.float32, None, None)  # type: ignore[arg-type]
+        batcher = step_batch.StepBatcher(1, 2, torch.float32, None)  # type: ignore[arg-type]
         return batcher.max_steps, batcher.flush_rows
 
     assert limits() == (step_batch.MAX_STEPS, step_batch.FLUSH_ROWS)

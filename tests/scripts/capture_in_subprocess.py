@@ -1,6 +1,6 @@
 """Run capture with the engine core and worker as separate processes; save rows for the test.
 
-Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled
+Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled LAYERS_JSON
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
@@ -89,6 +89,8 @@ def main() -> None:
             tensors[f"{key}_hidden"] = s.hidden.clone()
             tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
     save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
+                                      "rows_written_on_device": str(st.rows_written_on_device),
+                                      "again_rows_written_on_device": str(res3.stats.rows_written_on_device),
                                       "rows_captured": str(st.rows_captured),
                                       "rows_from_shared_prefix": str(st.rows_from_shared_prefix),
                                       "rows_from_store": str(st.rows_from_store),

@@ -18,6 +18,7 @@ from .. import adapters
 from ..adapters import cpu_deepseek_v4
 from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
+from .file_writer import RegisteredFiles
 from .layer_hooks import install_layer_hooks
 from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, SharedDestination, encode_rows
 from .recorder import RowRecorder
@@ -248,20 +249,29 @@ class UheadCaptureExtension:
         if rec is None:
             return False
         rec.take()  # rows of requests made outside the generator
+        writer = None
         if isinstance(destination, str):
+            spec = SharedDestination.from_json(destination)
+            mapped, registered = self._uhead_row_files()
             try:
-                destination = SharedDestination.from_json(destination).open(self._uhead_row_files())
+                destination = spec.open(mapped)
             except FileNotFoundError:
                 return False  # another host: the rows come back with the fetch instead
+            finally:
+                registered.keep_only(set(mapped))
+            if spec.key:
+                device = vm.device_of(adapters.worker_runner(self))
+                writer = registered.writer(spec.key, mapped[spec.key], spec.shape, spec.dtype, device)
         elif destination is not None and not isinstance(destination, RowDestination):
             raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
-        rec.place_into(destination)
+        rec.place_into(destination, writer)
         return True
 
-    def _uhead_row_files(self) -> dict:
-        """This worker's mappings of the engine side's shared row files, by key (kept across calls)."""
+    def _uhead_row_files(self) -> tuple[dict, RegisteredFiles]:
+        """This worker's mappings of the engine side's shared row files, by key, and the ones the
+        device writes (both kept across calls)."""
         if not hasattr(self, "_uhead_mapped_row_files"):
-            self._uhead_mapped_row_files = {}
+            self._uhead_mapped_row_files = ({}, RegisteredFiles())
         return self._uhead_mapped_row_files
 
     def uhead_fetch_tags(self, tags: list[int], forget: bool = False) -> bytes | None:

@@ -64,16 +64,8 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor, c
     here was 3-4x slower and took several GIL round trips per step).
     """
     pos, tokens = meta.numpy()
-    first = np.repeat(chunks.first, chunks.lens)
-    index = first + pos
-    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
+    index, inside = own_places(chunks, pos)
     rows = _byte_rows(hidden.to(dest.buffer.dtype))
-    if index.size > 1:  # a place written twice (a position forwarded again): the last row counts
-        kept = np.flatnonzero(inside)
-        last = np.unique(index[kept][::-1], return_index=True)[1]
-        if last.size < kept.size:
-            inside = np.zeros(index.size, dtype=bool)
-            inside[kept[kept.size - 1 - last]] = True
     if inside.all():
         dest.byte_rows[index] = rows
         dest.marks[index] = tokens
@@ -81,14 +73,40 @@ def place_step(dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor, c
         dest.byte_rows[index[inside]] = rows[inside]
         dest.marks[index[inside]] = tokens[inside]
     if chunks.group_row is not None:
-        _place_shared(dest, rows, pos, tokens, np.repeat(chunks.group_row, chunks.lens), inside)
+        _place_shared(dest, rows, np.arange(len(pos)), pos, tokens, np.repeat(chunks.group_row, chunks.lens), inside)
 
 
-def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, tokens: np.ndarray, k: np.ndarray,
-                  inside: np.ndarray) -> None:
+def share_written_rows(dest: RowDestination, meta: torch.Tensor, chunks: ChunkSlots) -> None:
+    """The prompt rows of a step already written into ``dest`` at their own places (by the device,
+    file_writer.py) fanned out to the slots that share them, as :func:`place_step` does."""
+    if chunks.group_row is None:
+        return
+    pos, tokens = meta.numpy()
+    index, inside = own_places(chunks, pos)
+    _place_shared(dest, dest.byte_rows, index, pos, tokens, np.repeat(chunks.group_row, chunks.lens), inside)
+
+
+def own_places(chunks: ChunkSlots, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's place in its own slot (``first + position``) and whether it is written there:
+    inside its slot, and the last of the rows bound for that place."""
+    first = np.repeat(chunks.first, chunks.lens)
+    index = first + pos
+    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
+    if index.size > 1:  # a place written twice (a position forwarded again): the last row counts
+        kept = np.flatnonzero(inside)
+        last = np.unique(index[kept][::-1], return_index=True)[1]
+        if last.size < kept.size:
+            inside = np.zeros(index.size, dtype=bool)
+            inside[kept[kept.size - 1 - last]] = True
+    return index, inside
+
+
+def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, pos: np.ndarray, tokens: np.ndarray,
+                  k: np.ndarray, inside: np.ndarray) -> None:
     """Prompt rows into the slots of the other members of the largest group whose limit is above
     the row's position (for two members that is the deepest group they share: the groups nest);
-    a place already holding its own request's row keeps it."""
+    a place already holding its own request's row keeps it. Row ``r`` of the step is
+    ``rows[row_at[r]]``."""
     shared = np.flatnonzero(inside & (pos < dest.reach[k]))
     if not shared.size:  # decode steps: every position is past its prompt
         return
@@ -104,9 +122,10 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, pos: np.ndarray, token
     free = dest.marks[to] < 0  # not a row its own request forwarded
     to, src = to[free], src[free]
     marks = shared_mark(tokens[src])
+    source = row_at[src]
     for a in range(0, len(src), SHARED_WRITES_PER_COPY):  # a shared block fans out to every member:
         b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
-        dest.byte_rows[to[a:b]] = rows[src[a:b]]
+        dest.byte_rows[to[a:b]] = rows[source[a:b]]
         dest.marks[to[a:b]] = marks[a:b]
 
 
@@ -127,11 +146,12 @@ class Placer:
         self.at_drain = os.environ.get(PLACE_AT_DRAIN_ENV) == "1" if at_drain is None else at_drain
         self._held: list[tuple] = []  # at_drain: steps waiting for the drain
 
-    def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor, meta: torch.Tensor,
+    def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor | None, meta: torch.Tensor,
                chunks: ChunkSlots, done: Callable[[], None] | None = None) -> None:
         """Place a step (``meta``: positions and input tokens, see :func:`place_step`) once
         ``ready`` (a CUDA event, or None for rows already on the host); ``done`` runs after it,
-        placed or not (it frees the step's staging memory)."""
+        placed or not (it frees the step's staging memory). ``hidden=None``: the device already
+        wrote the rows into ``dest``, only their sharing with group members is left."""
         item = (ready, dest, hidden, meta, chunks, done)
         if self.at_drain and (ready is not None or self._held):  # in order behind the steps held
             self._held.append(item)
@@ -185,7 +205,10 @@ class Placer:
                 if waited is not None:
                     raise waited
                 start = time.perf_counter()
-                place_step(dest, hidden, meta, chunks)
+                if hidden is None:  # written into the destination on the device: only the sharing
+                    share_written_rows(dest, meta, chunks)
+                else:
+                    place_step(dest, hidden, meta, chunks)
                 self._seconds += time.perf_counter() - start
             except Exception as exc:  # reported at fetch: the rows of this step are missing, not wrong
                 if self._error is None:

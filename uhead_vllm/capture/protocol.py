@@ -340,16 +340,32 @@ class SharedDestination:
         if flat.numel() < self.nbytes:
             raise ValueError(f"shared row file {self.key or self.path} holds {flat.numel()} bytes, "
                              f"the destination needs {self.nbytes}")
-        rows = _rows_nbytes(self.shape, self.dtype)
-        buffer = flat[:rows].view(_DTYPES[self.dtype]).view(self.shape)
-        at = _aligned(rows)
-        tokens = flat[at : at + 4 * self.shape[0]].view(torch.int32)
-        return RowDestination(buffer, dict(self.slots), list(self.groups), tokens, tables=tables)
+        byte_rows, marks = file_views(flat, self.shape, self.dtype)
+        rows = self.shape[0]
+        buffer = byte_rows[:rows].view(_DTYPES[self.dtype]).view(self.shape)
+        return RowDestination(buffer, dict(self.slots), list(self.groups), marks[:rows], tables=tables)
 
 
 def destination_nbytes(shape: tuple[int, int, int], dtype: str) -> int:
-    """Bytes of a shared row file holding rows of ``shape`` in ``dtype`` and their token marks."""
-    return _aligned(_rows_nbytes(shape, dtype)) + 4 * shape[0]
+    """Bytes of a shared row file holding rows of ``shape`` in ``dtype`` and their token marks,
+    each with one scratch place after the last (see :func:`file_views`)."""
+    return _aligned(_rows_nbytes(_with_scratch(shape), dtype)) + 4 * (shape[0] + 1)
+
+
+def file_views(flat: torch.Tensor, shape: tuple[int, int, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a shared row file as ``[rows + 1, bytes per row]`` uint8 and its token marks
+    as ``[rows + 1]`` int32, over ``flat`` (a uint8 mapping of the file, host or device-visible).
+    The last place of each is scratch: a writer on the device sends rows it must not keep (past
+    a slot, of no slot) there instead of branching on the host (capture/file_writer.py)."""
+    rows, layers, hidden = shape
+    nbytes = _rows_nbytes(_with_scratch(shape), dtype)
+    at = _aligned(nbytes)
+    byte_rows = flat[:nbytes].view(rows + 1, layers * hidden * _DTYPES[dtype].itemsize)
+    return byte_rows, flat[at : at + 4 * (rows + 1)].view(torch.int32)
+
+
+def _with_scratch(shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    return (shape[0] + 1, shape[1], shape[2])
 
 
 def _rows_nbytes(shape: tuple[int, int, int], dtype: str) -> int:
@@ -415,5 +431,5 @@ def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, co
 
 __all__ = [
     "CAPTURE_KEY", "EXTENSION_QUALNAME", "UNWRITTEN", "CaptureSettings", "RequestTag", "CapturedRows", "RowDestination",
-    "SharedDestination", "destination_nbytes", "shared_mark", "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
+    "SharedDestination", "destination_nbytes", "file_views", "shared_mark", "encode_rows", "decode_rows", "settings_to_json", "empty_rows",
 ]

@@ -4,9 +4,10 @@ The runner adapter hands the recorder each step's schedule (which requests are n
 tokens each gets) and, after the forward, the step's outputs. Per step the recorder gathers the
 tagged rows on the device (a slice per contiguous run of tagged requests, usually one); nothing on
 the hot path waits for the device. When the engine side gave a :class:`RowDestination` (its own
-tensor in this process, or a shared-memory file), steps collect in a device buffer and go to
-pinned memory a batch at a time (step_batch.py), then straight into the destination during the
-generation (placer.py), each row with its input token; only their count is kept. Without one, each
+tensor in this process, or a shared-memory file), steps collect in a device buffer and reach the
+destination a batch at a time during the generation (step_batch.py), each row with its input
+token: on a GPU the device writes them into the registered row file (file_writer.py), else they
+go to pinned memory and the placer writes them (placer.py); only their count is kept. Without one, each
 step is copied to pinned memory asynchronously and kept. ``take`` waits once and assembles one
 :class:`CapturedRows`.
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ..adapters import ScheduledStep, StepOutputs
+from .file_writer import FileWriter
 from .placer import ChunkSlots, Placer
 from .staging import PinnedArena, PinnedRing
 from .step_batch import StepBatcher
@@ -123,7 +125,8 @@ class RowRecorder:
     rows_recorded: int = 0
     chunks_recorded: int = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
     scheduled_rows: int = 0  # tagged rows scheduled in the step that is running now
-    rows_placed: int = 0  # rows handed to the placer for the destination (this generation)
+    rows_placed: int = 0  # rows sent to the destination (this generation)
+    rows_written_on_device: int = 0  # of those, rows the device wrote into the row file itself
     _tags: dict[str, RequestTag | None] = field(default_factory=dict)
     _untagged: int = 0  # live requests in ``_tags`` without a tag
     _owner: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -132,6 +135,7 @@ class RowRecorder:
     _batch: _Batch | None = None  # the last forward's batch facts (None: rebuild)
     record_seconds: float = 0.0  # host time the engine's thread spent in the recorder (this generation)
     destination: RowDestination | None = None  # rows go here during the generation
+    _writer: FileWriter | None = None  # the destination's row file as the device writes it (or None)
     _placer: Placer = field(default_factory=Placer)
     _batcher: StepBatcher | None = None  # placed steps' rows on their way to the host, a batch at a time
     _staging: PinnedRing | None = None  # pinned memory for steps on their way to the placer (GPU)
@@ -239,14 +243,12 @@ class RowRecorder:
         runs = layout.runs
         if self.destination is not None:
             if self._batcher is None:
-                self._batcher = StepBatcher(self.settings.num_columns, self.hidden_size, dtype,
-                                            self._to_host, self._submit)
+                self._batcher = StepBatcher(self.settings.num_columns, self.hidden_size, dtype, self._ship)
             if self._batcher.fits(n_rows):
                 self._batcher.add(layout.slots, picked, positions, step.input_ids, runs, n_rows)
-            else:  # larger than a batch buffer (a long prefill): copied on its own, after the batch
+            else:  # larger than a batch buffer (a long prefill): shipped on its own, after the batch
                 self._batcher.flush()
-                hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
-                self._submit([(layout.slots, n_rows)], *self._to_host(hidden, meta))
+                self._ship([(layout.slots, n_rows)], *_gathered(picked, positions, step.input_ids, runs, dtype))
         else:  # kept until fetched
             hidden, meta = _gathered(picked, positions, step.input_ids, runs, dtype)
             hidden, meta, _, _ = self._to_host(hidden, meta)
@@ -277,14 +279,64 @@ class RowRecorder:
             group_row=group_row)
         return self._batch
 
-    def _submit(self, steps: list[tuple[ChunkSlots, int]], hidden: torch.Tensor, meta: torch.Tensor, ready: object,
-                release: Callable[[], None] | None) -> None:
-        """Hand consecutive steps' host rows and metadata to the placer as one (they go to the
-        destination once ``ready``); only their count is kept until the take."""
+    def _ship(self, steps: list[tuple[ChunkSlots, int]], hidden: torch.Tensor, meta: torch.Tensor) -> object:
+        """Send consecutive steps' rows [R, C, H] and metadata [2, R] to the destination as one:
+        written there by the device (with a file writer) or copied to the host for the placer.
+        Only their count is kept until the take. Returns the CUDA event after which ``hidden``
+        and ``meta`` may be overwritten (None on CPU: at once)."""
         slots = [chunks for chunks, _ in steps]
-        self._placer.submit(ready, self.destination, hidden, meta,
-                            slots[0] if len(slots) == 1 else ChunkSlots.joined(slots), release)
-        self.rows_placed += sum(n for _, n in steps)
+        chunks = slots[0] if len(slots) == 1 else ChunkSlots.joined(slots)
+        n_rows = sum(n for _, n in steps)
+        self.rows_placed += n_rows
+        if self._writer is not None:
+            self.rows_written_on_device += n_rows
+            return self._write_file(chunks, hidden, meta)
+        host_hidden, host_meta, ready, release = self._to_host(hidden, meta)
+        self._placer.submit(ready, self.destination, host_hidden, host_meta, chunks, release)
+        return ready
+
+    def _write_file(self, chunks: ChunkSlots, hidden: torch.Tensor, meta: torch.Tensor) -> object:
+        """The device writes the rows into the registered row file, on the copy stream (the host
+        only sends each row's slot, 16 bytes); prompt rows of prefix groups are then fanned out
+        by the placer from the file, once the writes are done."""
+        dest = self.destination
+        places = np.stack([np.repeat(chunks.first, chunks.lens), np.repeat(chunks.capacity, chunks.lens)])
+        if hidden.device.type != "cuda":
+            self._writer.write(hidden, meta, *torch.from_numpy(places))
+            if dest.groups:
+                self._placer.submit(None, dest, None, meta, chunks)
+            return None
+        stream, main = self._streams(hidden.device)
+        if self._arena is None:
+            self._arena = PinnedArena(METADATA_CHUNK_BYTES)
+        host_places = self._arena.host_copy(torch.empty(places.shape, dtype=torch.int64, device="meta"))
+        host_places.numpy()[...] = places
+        torch.cuda.set_stream(stream)
+        try:
+            slot_first, capacity = host_places.to(hidden.device, non_blocking=True)
+            self._writer.write(hidden, meta, slot_first, capacity)
+            host_meta = None
+            if dest.groups:
+                host_meta = self._arena.host_copy(meta)
+                host_meta.copy_(meta, non_blocking=True)
+            for t in (hidden, meta):
+                t.record_stream(stream)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        finally:
+            torch.cuda.set_stream(main)
+        self._copied = event
+        if host_meta is not None:
+            self._placer.submit(event, dest, None, host_meta, chunks)
+        return event
+
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The copy stream, made to wait for what the main stream queued so far, and the main stream."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        main = torch.cuda.current_stream(self._copy_stream.device_index)
+        self._copy_stream.wait_stream(main)  # the gathers that made the rows
+        return self._copy_stream, main
 
     def _to_host(self, hidden: torch.Tensor, meta: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:
@@ -296,11 +348,7 @@ class RowRecorder:
         for the placer) into the arena, freed at the take (see staging.py)."""
         if hidden.device.type != "cuda":
             return hidden, meta, None, None  # already new tensors (stack/cat copies), never engine buffers
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=hidden.device)
-        stream = self._copy_stream
-        main = torch.cuda.current_stream(stream.device_index)
-        stream.wait_stream(main)  # the gathers that made them
+        stream, main = self._streams(hidden.device)
         staged = release = None
         if self.destination is not None:
             if self._staging is None:
@@ -332,11 +380,14 @@ class RowRecorder:
         return host_hidden, host_meta, event, release
 
     # ------------------------------------------------------------------ fetch
-    def place_into(self, destination: RowDestination | None) -> None:
-        """Write the rows of the coming generation into ``destination`` (until the next ``take``)."""
+    def place_into(self, destination: RowDestination | None, writer: FileWriter | None = None) -> None:
+        """Write the rows of the coming generation into ``destination`` (until the next ``take``);
+        with ``writer`` (the destination's row file as the device sees it) the device writes them."""
         if self.steps or self.rows_placed or (self._batcher is not None and self._batcher.pending):
             raise RuntimeError("rows of an earlier generation are still held: take them first")
-        self.destination = destination
+        if writer is not None and destination is None:
+            raise ValueError("a file writer needs the destination it writes")
+        self.destination, self._writer = destination, writer
         self._batch = None  # its slots are the destination's
 
     def take(self) -> CapturedRows:
@@ -352,7 +403,8 @@ class RowRecorder:
                  "forwards_replayed": replayed,
                  "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                  "rows_recorded": self.rows_recorded, "chunks_recorded": self.chunks_recorded, "bytes": self.bytes_held,
-                 "record_seconds": round(self.record_seconds, 6), "place_seconds": round(place_seconds, 6)}
+                 "record_seconds": round(self.record_seconds, 6), "place_seconds": round(place_seconds, 6),
+                 "rows_written_on_device": self.rows_written_on_device}
         if self.destination is not None:
             rows = CapturedRows.placed_into_destination(tuple(self.settings.layers), self.rows_placed)
         else:
@@ -362,9 +414,9 @@ class RowRecorder:
         rows.error = self.error or placing_error
         rows.stats = stats
         self.steps = []
-        self.bytes_held = self.rows_placed = 0
+        self.bytes_held = self.rows_placed = self.rows_written_on_device = 0
         self.error = None
-        self.destination = None
+        self.destination, self._writer = None, None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
         self.record_seconds = 0.0
         self.rows_expected = self.rows_recorded = self.chunks_recorded = 0

@@ -5,10 +5,10 @@ recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms 
 step, a dozen calls, was 6% of the step). Here a step costs one call that copies its rows,
 positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
 CUDA graph, step_graphs.py); once a batch holds :data:`MAX_STEPS` steps or :data:`FLUSH_ROWS`
-rows, or the buffer is full, one asynchronous copy moves the batch to pinned host memory under
-one CUDA event, and the placer writes the batch's rows as one step. Two buffers alternate: one
-fills while the other is on its way to the host, and the main stream waits (on the device, never
-the host) for a buffer's copy before writing into it again.
+rows, or the buffer is full, the batch is shipped as one: the device writes it straight into the
+row file (file_writer.py), or one asynchronous copy moves it to pinned host memory and the placer
+writes it. Two buffers alternate: one fills while the other is being shipped, and the main stream
+waits (on the device, never the host) for a buffer's shipping before writing into it again.
 
 On CPU the same path runs with one host buffer and nothing in flight: a batch is placed at flush.
 """
@@ -44,14 +44,12 @@ STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
 STEP_BATCH_ENV = "UHEAD_STEP_BATCH"
 
 
-#: The recorder's asynchronous device-to-host copy of rows [R, C, H] and metadata [2, R] (its one
-#: copy stream, so copies finish in order): host rows, host metadata, event, release.
-ToHost = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Any, Callable[[], None] | None]]
-#: Called once per flush: ``(steps, rows, meta, ready, release)`` with each step's ``(facts, rows)``
-#: in recording order, their host rows [R, C, H] and metadata [2, R] one after another (on CPU
-#: valid during the call only), the CUDA event after which both hold data (None on CPU) and what
-#: frees the rows' staging (or None).
-Sink = Callable[[list[tuple[Any, int]], torch.Tensor, torch.Tensor, Any, Callable[[], None] | None], None]
+#: Called once per flush: ``(steps, rows, meta)`` with each step's ``(facts, rows)`` in recording
+#: order and the batch's rows [R, C, H] and metadata [2, R] (positions, token ids) one after
+#: another, in the buffer (on a GPU they stay there until the returned CUDA event, which the
+#: main stream waits for before writing the buffer again; on CPU they are valid during the call
+#: only, and None is returned).
+Ship = Callable[[list[tuple[Any, int]], torch.Tensor, torch.Tensor], Any]
 
 
 #: Most cached target views per buffer (a few dozen (offset, rows) pairs recur in steady decoding).
@@ -81,9 +79,9 @@ class _Buffer:
 class StepBatcher:
     """Accumulates steps (each a few row runs of the forward's outputs) until a flush."""
 
-    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, to_host: ToHost, sink: Sink) -> None:
+    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, ship: Ship) -> None:
         self.columns, self.hidden, self.dtype = columns, hidden, dtype
-        self.to_host, self.sink = to_host, sink
+        self.ship = ship
         self.capacity = max(1, BUFFER_BYTES // (columns * hidden * dtype.itemsize))
         self.max_steps, self.flush_rows = _batch_limits()
         self._buffers: list[_Buffer] = []
@@ -126,21 +124,17 @@ class StepBatcher:
             self.flush()
 
     def flush(self) -> None:
-        """Send the active buffer's steps to the sink (on a GPU: after one asynchronous copy)."""
+        """Ship the active buffer's steps (on a GPU, switch to the other buffer meanwhile)."""
         if not self._pending:
             return
         buf, used, pending = self._buffers[self._active], self._used, self._pending
         self._pending, self._used = [], 0
+        buf.copied = self.ship(pending, buf.rows[:used], buf.meta[:, :used])
         if buf.rows.device.type == "cuda":
-            rows, meta, ready, release = self.to_host(buf.rows[:used], buf.meta[:, :used])
-            buf.copied = ready
             self._active = (self._active + 1) % len(self._buffers)
             following = self._buffers[self._active]
             if following.copied is not None:  # its last batch must have left before it is written
                 torch.cuda.current_stream(following.rows.device).wait_event(following.copied)
-        else:  # placed at once by the sink (no copy in flight)
-            rows, meta, ready, release = buf.rows[:used], buf.meta[:, :used], None, None
-        self.sink(pending, rows, meta, ready, release)
 
     def take_replayed(self) -> int:
         """Step copies replayed as CUDA graphs since the last take (0 without graphs)."""

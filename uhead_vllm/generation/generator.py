@@ -78,6 +78,7 @@ class GenerationStats:
     tokens_forwarded: int = 0  # rows vLLM actually computed for tagged requests (incl. recompute)
     rows_captured: int = 0  # rows taken from the first pass
     rows_placed: int = 0  # of those, rows the worker wrote into their place while vLLM generated
+    rows_written_on_device: int = 0  # of those, rows the GPU wrote into the shared row file itself
     prefix_cache_rows: int = 0  # rows vLLM skipped because their KV was cached
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
@@ -437,6 +438,7 @@ class VllmHiddenStatesGenerator:
         stats.forwards_replayed = int(captured.stats.get("forwards_replayed", 0))
         stats.record_seconds = float(captured.stats.get("record_seconds", 0.0))
         stats.place_seconds = float(captured.stats.get("place_seconds", 0.0))
+        stats.rows_written_on_device = int(captured.stats.get("rows_written_on_device", 0))
         missed = expected - captured.num_rows
         if missed <= 0:
             return

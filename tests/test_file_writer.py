@@ -1,0 +1,104 @@
+"""The device's row-file writer (capture/file_writer.py), run with CPU tensors: the same torch
+scatter a GPU runs, checked against the host placer (placer.place_step), which it replaces there."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from uhead_vllm.capture.file_writer import FILE_WRITES_ENV, FileWriter, RegisteredFiles
+from uhead_vllm.capture.placer import ChunkSlots, place_step, share_written_rows
+from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file_views
+
+SHAPE = (60, 2, 3)  # rows, columns, hidden
+
+
+def file_destination(slots: dict, groups=(), shape=SHAPE) -> tuple[RowDestination, FileWriter, torch.Tensor]:
+    """A row file's destination (as the worker maps it), its writer and the whole file."""
+    flat = torch.zeros(destination_nbytes(shape, "float32"), dtype=torch.uint8)
+    byte_rows, marks = file_views(flat, shape, "float32")
+    marks.fill_(-1)
+    dest = RowDestination(byte_rows[: shape[0]].view(torch.float32).view(shape), dict(slots), list(groups),
+                          marks[: shape[0]])
+    return dest, FileWriter(byte_rows, marks), flat
+
+
+def write(dest: RowDestination, writer: FileWriter, hidden: torch.Tensor, meta: torch.Tensor, chunks: ChunkSlots) -> None:
+    """What the recorder does at a flush with a writer, in one thread."""
+    first = torch.from_numpy(np.repeat(chunks.first, chunks.lens))
+    capacity = torch.from_numpy(np.repeat(chunks.capacity, chunks.lens))
+    writer.write(hidden, meta, first, capacity)
+    share_written_rows(dest, meta, chunks)
+
+
+def test_rows_past_their_slot_go_to_scratch_and_the_last_row_for_a_place_wins():
+    dest, writer, _ = file_destination({7: (0, 3), 8: (3, 3)}, shape=(6, 1, 1))
+    rows = torch.arange(1, 8, dtype=torch.float32).view(7, 1, 1)
+    # tag 7 at 0, 1; an unknown tag (no slot) at 2; tag 7 at 1 again; tag 8 at 0, 0, then 3 (past its slot)
+    meta = torch.tensor([[0, 1, 2, 1, 0, 0, 3], [100, 101, 102, 103, 104, 105, 106]])
+    write(dest, writer, rows, meta, ChunkSlots(np.array([0, -1, 0, 3]), np.array([3, 0, 3, 3]),
+                                               np.array([2, 1, 1, 3])))
+    assert dest.buffer.flatten().tolist() == [1.0, 4.0, 0.0, 6.0, 0.0, 0.0]
+    assert dest.tokens.tolist() == [100, 103, -1, 105, -1, -1]
+
+
+def test_the_file_writer_puts_every_row_where_the_placer_does():
+    """Random batches (several steps joined: prompt chunks, decode rows, positions forwarded twice,
+    rows past a slot, rows of no slot) into slots with nested prefix groups: rows and marks equal
+    the host placer's, bit for bit."""
+    rng = np.random.default_rng(0)
+    tags = list(range(6))
+    slots = {t: (10 * t, 10) for t in tags}
+    groups = [(6, (0, 1, 2, 3)), (8, (0, 1)), (5, (4, 5))]
+    dest, writer, _ = file_destination(slots, groups)
+    reference = RowDestination(torch.zeros(SHAPE), dict(slots), list(groups))
+    reference.tokens.fill_(-1)
+    for _ in range(40):
+        firsts, caps, lens, group_rows, positions = [], [], [], [], []
+        for _ in range(int(rng.integers(1, 6))):
+            tag = int(rng.integers(-1, len(tags)))
+            n = int(rng.integers(1, 5))
+            start = int(rng.integers(0, 11))
+            first, cap = slots.get(tag, (-1, 0))
+            firsts.append(first), caps.append(cap), lens.append(n)
+            group_rows.append(dest.group_row.get(tag, -1))
+            positions += range(start, start + n)
+        meta = torch.stack([torch.tensor(positions), torch.from_numpy(rng.integers(0, 500, len(positions)))])
+        hidden = torch.from_numpy(rng.standard_normal((len(positions), 2, 3)).astype(np.float32))
+        chunks = ChunkSlots(*(np.asarray(x, dtype=np.int64) for x in (firsts, caps, lens, group_rows)))
+        place_step(reference, hidden, meta, chunks)
+        write(dest, writer, hidden, meta, chunks)
+    assert (reference.tokens >= 0).sum() > 40 and (reference.tokens < -1).sum() > 2  # own and shared rows
+    assert torch.equal(dest.tokens, reference.tokens)
+    assert torch.equal(dest.buffer, reference.buffer)
+
+
+def test_a_writer_refuses_rows_of_another_width():
+    _, writer, _ = file_destination({1: (0, 4)})
+    with pytest.raises(ValueError, match="rows of 48 bytes for a row file of 24-byte rows"):
+        writer.write(torch.zeros(2, 2, 6), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                     torch.ones(2, dtype=torch.int64))
+
+
+def test_on_cpu_the_worker_writes_files_itself_only_when_asked(monkeypatch):
+    _, _, flat = file_destination({1: (0, 4)})
+    files = RegisteredFiles()
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(FILE_WRITES_ENV, raising=False)
+    assert files.writer("k", flat, SHAPE, "float32", cpu) is None  # the host placer: no device to write
+    monkeypatch.setenv(FILE_WRITES_ENV, "0")
+    assert files.writer("k", flat, SHAPE, "float32", cpu) is None
+    monkeypatch.setenv(FILE_WRITES_ENV, "1")
+    writer = files.writer("k", flat, SHAPE, "float32", cpu)
+    assert writer is not None and writer.scratch == SHAPE[0]
+    assert files.writer("", flat, SHAPE, "float32", cpu) is None  # a buffer of this process, not a file
+
+
+def test_every_row_but_the_last_for_a_place_is_sent_to_scratch():
+    """On CPU ``index_copy_`` writes duplicates in order, so the comparison above cannot see this;
+    a GPU writes them in any order, so the writer keeps only the last row for each place."""
+    _, writer, _ = file_destination({1: (0, 8)})
+    s = writer.scratch
+    assert writer._last_wins(torch.tensor([3, 1, 3, 2, 1, s, s])).tolist() == [s, s, 3, 2, 1, s, s]
+    assert writer._last_wins(torch.tensor([3, 1])).tolist() == [3, 1]  # again: earlier calls do not count

