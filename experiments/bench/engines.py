@@ -223,6 +223,7 @@ class Runner:
                                 "rows_recomputed": st.rows_recomputed,
                                 "prefix_cache_rows": st.prefix_cache_rows,
                                 "rows_placed_during_generation": self._rows_placed,
+                                "rows_written_on_device": st.rows_written_on_device,
                                 "record_seconds": st.record_seconds, "place_seconds": st.place_seconds,
                                 "forwards_replayed": st.forwards_replayed,
                                 "held_bytes": st.held_bytes, "row_files_created": files.created,

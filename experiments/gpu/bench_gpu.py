@@ -39,6 +39,7 @@ from unittest import mock
 import numpy as np
 
 from experiments import provenance
+from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
 from uhead_vllm.capture.placer import PLACE_AT_DRAIN_ENV
 from uhead_vllm.capture.step_batch import STEP_BATCH_ENV, STEP_GRAPHS_ENV
 
@@ -298,6 +299,7 @@ CAPTURE_VARIANTS = {
     "eager-copies": ({STEP_GRAPHS_ENV: "0"}, "capture, step copies eager (no CUDA graphs)"),
     "placed-at-drain": ({PLACE_AT_DRAIN_ENV: "1"}, "capture, rows placed at the fetch (no placer thread during the pass)"),
     "batch-64-steps": ({STEP_BATCH_ENV: "64,4096"}, "capture, batches of 64 steps or 4096 rows"),
+    "host-placer": ({FILE_WRITES_ENV: "0"}, "capture, rows placed by the host placer (the GPU never writes the row file)"),
 }
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}

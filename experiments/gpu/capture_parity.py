@@ -112,7 +112,7 @@ def run(model_dir: str, mode: str, backend: str, dtype: str, layers: tuple[int, 
         "totals": {k: sum(p[k] for p in phases.values())
                    for k in ("capture_missed_rows", "rows_recomputed", "prefix_cache_rows", "rows_from_store",
                              "rows_from_shared_prefix", "rows_captured", "forwards_seen", "forwards_recorded",
-                             "forwards_replayed")},
+                             "forwards_replayed", "rows_placed", "rows_written_on_device")},
     }
 
 

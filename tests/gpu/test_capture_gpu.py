@@ -25,11 +25,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {"float32": 5e-3, "bfloat16": 5e-2}
-CONFIGS = [  # (runner, mode, backend)
-    ("v2", "graphs", "aux"),
-    ("v2", "eager", "aux"),
-    ("v1", "graphs", "aux"),
-    ("v1", "eager", "aux"),
+CONFIGS = [  # (runner, mode, backend, how placed rows reach the engine core process's row file)
+    ("v2", "graphs", "aux", "file-writer"),
+    ("v2", "eager", "aux", "file-writer"),
+    ("v1", "graphs", "aux", "file-writer"),
+    ("v1", "eager", "aux", "placer"),
 ]
 
 
@@ -60,11 +60,18 @@ def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _random_model(tmp_path_factory, "smollm2")
 
 
-def _parity(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Path, tp: int = 1) -> None:
+def _parity(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Path, tp: int = 1,
+            writes: str = "file-writer") -> None:
+    """``writes``: with the engine core in its own process, placed rows reach the shared row file
+    written by the GPU itself (``file-writer``, here from each file's first use: the phases hold
+    every result, so no file is used twice) or through the host placer."""
+    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
+
     out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))
-    name = f"parity-{runner}-{mode}-{backend}" + (f"-tp{tp}" if tp > 1 else "")
+    name = f"parity-{runner}-{mode}-{backend}" + (f"-tp{tp}" if tp > 1 else "") + f"-{writes}"
     out = out_dir / f"{name}.json"
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+           FILE_WRITES_ENV: "1" if writes == "file-writer" else "0",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.gpu.capture_parity", "--model", str(gpu_model), "--mode", mode,
@@ -82,15 +89,20 @@ def _parity(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Pat
     assert result["rows_checked"] > 1000
     if mode == "graphs":  # FULL-graph outputs stay at their addresses: the step copies replay as graphs
         assert totals["forwards_replayed"] > 0, totals
+    engine_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" or tp > 1  # else a buffer, no file
+    assert totals["rows_placed"] > 0, totals
+    on_device = totals["rows_placed"] if writes == "file-writer" and engine_process else 0
+    assert totals["rows_written_on_device"] == on_device, totals
     tol = TOLERANCE[result["dtype"]]
     worst = max(result["max_rel_l2_per_layer"].values())
     assert worst < tol, result["max_rel_l2_per_layer"]
     assert result["tp"] == tp
 
 
-@pytest.mark.parametrize("runner,mode,backend", CONFIGS, ids=["-".join(c) for c in CONFIGS])
-def test_rows_equal_hf_on_gpu(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Path) -> None:
-    _parity(gpu_model, runner, mode, backend, tmp_path)
+@pytest.mark.parametrize("runner,mode,backend,writes", CONFIGS, ids=["-".join(c) for c in CONFIGS])
+def test_rows_equal_hf_on_gpu(gpu_model: Path, runner: str, mode: str, backend: str, writes: str,
+                              tmp_path: Path) -> None:
+    _parity(gpu_model, runner, mode, backend, tmp_path, writes=writes)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
