@@ -82,8 +82,11 @@ def share_written_rows(dest: RowDestination, meta: torch.Tensor, chunks: ChunkSl
     if chunks.group_row is None:
         return
     pos, tokens = meta.numpy()
+    k = np.repeat(chunks.group_row, chunks.lens)
+    if not (pos < dest.reach[k]).any():  # decode steps: nothing of a prompt to share
+        return
     index, inside = own_places(chunks, pos)
-    _place_shared(dest, dest.byte_rows, index, pos, tokens, np.repeat(chunks.group_row, chunks.lens), inside)
+    _place_shared(dest, dest.byte_rows, index, pos, tokens, k, inside)
 
 
 def own_places(chunks: ChunkSlots, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
