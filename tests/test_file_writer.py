@@ -102,3 +102,21 @@ def test_every_row_but_the_last_for_a_place_is_sent_to_scratch():
     s = writer.scratch
     assert writer._last_wins(torch.tensor([3, 1, 3, 2, 1, s, s])).tolist() == [s, s, 3, 2, 1, s, s]
     assert writer._last_wins(torch.tensor([3, 1])).tolist() == [3, 1]  # again: earlier calls do not count
+
+
+def test_a_writer_that_fails_hands_its_rows_and_the_rest_to_the_host_placer():
+    from uhead_vllm.adapters import ScheduledStep, StepOutputs
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.recorder import RowRecorder
+
+    rec = RowRecorder(CaptureSettings(layers=(0, 1), dtype="float32"), aux_layers=(0, 1), hidden_size=3)
+    dest, _, _ = file_destination({5: (0, 10)})
+    _, wrong_width, _ = file_destination({5: (0, 10)}, shape=(60, 1, 3))
+    rec.place_into(dest, wrong_width)
+    rec.on_schedule(ScheduledStep([("r", RequestTag(5, 0).to_extra_args())], {"r": 4}, set()))
+    aux = [torch.arange(12, dtype=torch.float32).view(4, 3) + 100 * j for j in range(2)]
+    with pytest.warns(RuntimeWarning, match="the host placer takes over: ValueError"):
+        rec.on_forward(StepOutputs(["r"], np.array([0, 4], dtype=np.int32), torch.arange(4), torch.arange(4) + 7, aux))
+        rows = rec.take()
+    assert rows.error is None and rows.placed_rows == 4 and rows.stats["rows_written_on_device"] == 0
+    assert torch.equal(dest.buffer[:4], torch.stack(aux, dim=1)) and dest.tokens[:5].tolist() == [7, 8, 9, 10, -1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -289,8 +290,15 @@ class RowRecorder:
         n_rows = sum(n for _, n in steps)
         self.rows_placed += n_rows
         if self._writer is not None:
-            self.rows_written_on_device += n_rows
-            return self._write_file(chunks, hidden, meta)
+            try:
+                event = self._write_file(chunks, hidden, meta)
+            except Exception as exc:  # noqa: BLE001  (the placer writes these rows and the rest instead)
+                self._writer = None
+                warnings.warn(f"uhead_vllm: the device could not write the row file, the host placer takes over: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+            else:
+                self.rows_written_on_device += n_rows
+                return event
         host_hidden, host_meta, ready, release = self._to_host(hidden, meta)
         self._placer.submit(ready, self.destination, host_hidden, host_meta, chunks, release)
         return ready
