@@ -120,3 +120,16 @@ def test_a_writer_that_fails_hands_its_rows_and_the_rest_to_the_host_placer():
         rows = rec.take()
     assert rows.error is None and rows.placed_rows == 4 and rows.stats["rows_written_on_device"] == 0
     assert torch.equal(dest.buffer[:4], torch.stack(aux, dim=1)) and dest.tokens[:5].tolist() == [7, 8, 9, 10, -1]
+
+
+def test_a_writer_first_used_in_inference_mode_writes_outside_it_too():
+    """Steps are written from vLLM's forward (inference mode), the last batch at the fetch (not):
+    on a GPU host this once sent every call's last batch to the host placer."""
+    dest, writer, _ = file_destination({1: (0, 8)})
+    rows = torch.ones(2, 2, 3)
+    meta = torch.tensor([[0, 1], [5, 6]])
+    places = (torch.zeros(2, dtype=torch.int64), torch.full((2,), 8))
+    with torch.inference_mode():
+        writer.write(rows, meta, *places)
+    writer.write(2 * rows, meta + torch.tensor([[2], [0]]), *places)
+    assert dest.tokens[:5].tolist() == [5, 6, 5, 6, -1] and float(dest.buffer[:4].sum()) == 2 * 6 + 4 * 6

@@ -47,7 +47,13 @@ class FileWriter:
     def write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
         """Rows ``hidden`` [R, C, H] with ``meta`` [2, R] (positions, token ids) into their slots:
         row r goes to ``first[r] + positions[r]`` if that is below ``capacity[r]`` (0 for no
-        slot), on the current stream, without waiting for the device."""
+        slot), on the current stream, without waiting for the device. Steps are written from
+        vLLM's forward (inference mode) and the last batch from the fetch (outside it): the
+        writer's own tensors are made and updated in inference mode either way."""
+        with torch.inference_mode():
+            self._write(hidden, meta, first, capacity)
+
+    def _write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
         n = hidden.shape[0]
         flat = hidden.reshape(n, -1).view(torch.uint8)
         if flat.shape[1] != self.byte_rows.shape[1]:
