@@ -6,6 +6,7 @@
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh bench ...  # vLLM's default separate engine process
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh pytest     # the GPU tests that way (rows via shared memory)
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh ablate SHAPE  # capture's cost inside generate, split
+#   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh trace SHAPE   # placed vs untagged on the GPU timeline
 # The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
 # UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
 set -uo pipefail
@@ -33,5 +34,10 @@ case $what in
     shape=$1; shift
     timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.ablate_capture --shape "$shape" --tokenizer .gpu/tok \
       --out "$OUT/ablate" "$@" 2>&1 | grep -E "^\||Error" | tail -n 12 ;;
-  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE)"; exit 2 ;;
+  trace)  # with ENGINE_PROCESS=1: placed vs untagged decode steps on the GPU timeline (experiments/gpu/trace_steps.py)
+    shape=$1; shift
+    timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.trace_steps --shape "$shape" --tokenizer .gpu/tok \
+      --out "$OUT/trace" "$@" 2>&1 | grep -E "^\[trace\]|Error" | tail -n 20
+    cat "$OUT/trace/trace-steps.md" 2>/dev/null | head -n 60 ;;
+  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE | trace SHAPE)"; exit 2 ;;
 esac
