@@ -42,6 +42,7 @@ from experiments import provenance
 from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
 from uhead_vllm.capture.placer import PLACE_AT_DRAIN_ENV
 from uhead_vllm.capture.step_batch import STEP_BATCH_ENV, STEP_GRAPHS_ENV
+from uhead_vllm.generation.backends.aux import SETTLE_PLACEMENT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples
@@ -164,12 +165,13 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     big = Workload(max(BATCHES), N, MAX_TOKENS)
     pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants)) if pin else None
     runners: dict[str, Any] = {}
+    variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
     for name, config, captured, env in (
             ("plain-graphs", Config("plain", "compiled"), (0,), {}),
             ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
             *((f"ours-{v}", Config("ours", "compiled", "bfloat16"), layers, CAPTURE_VARIANTS[v][0]) for v in variants),
             *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
-        with mock.patch.dict(os.environ, env):  # read in the engine process it starts
+        with mock.patch.dict(os.environ, env):  # read in the engine process it starts (and per run, here)
             runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True),
                                    prompts, big)
         if pinner is not None:
@@ -195,16 +197,15 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     for b in BATCHES:
         wl = Workload(b, N, MAX_TOKENS)
         extra: dict[str, Any] = {}
-        ways = {name: runner.run for name, runner in runners.items()}
+        runs = {name: with_env(variant_env.get(name, {}), runner.run) for name, runner in runners.items()}
+        ways = runs
         if split:
             inputs, params = fanout_requests(prompts[:b], tokenizer)
-            ways = {"plain-graphs": ways["plain-graphs"],
+            ways = {"plain-graphs": runs["plain-graphs"],
                     "plain-ids": lambda wl, llm=runners["plain-graphs"].llm: untagged_run(llm, inputs, params),
                     "ours-untagged": lambda wl, llm=runners["ours-graphs"].llm: untagged_run(llm, inputs, params),
-                    "ours-graphs": ways["ours-graphs"]}
-            for name in ("plain-graphs-b", *(f"ours-{v}" for v in variants)):
-                if name in runners:
-                    ways[name] = runners[name].run
+                    "ours-graphs": runs["ours-graphs"],
+                    **{name: runs[name] for name in ("plain-graphs-b", *(f"ours-{v}" for v in variants)) if name in runs}}
             if aux_llm is not None:
                 ways["aux-only-untagged"] = lambda wl: untagged_run(aux_llm, inputs, params)
         seconds = {name: [] for name in ways}
@@ -293,6 +294,14 @@ def untagged_run(llm: Any, inputs: list[dict], params: Any) -> Any:
     return RunResult(dt, sum(len(c.token_ids) for o in outs for c in o.outputs), extra={"vllm_generate_seconds": dt})
 
 
+def with_env(env: dict[str, str], run: Any) -> Any:
+    """``run`` with ``env`` set in this process while it runs (a variant read on the engine side)."""
+    def wrapped(wl: Any) -> Any:
+        with mock.patch.dict(os.environ, env):
+            return run(wl)
+    return wrapped
+
+
 #: Optional ways of ``--paired --split`` and their column labels in the report.
 #: Capturing engines that ``--variant NAME`` adds: the environment each is built with, its label.
 CAPTURE_VARIANTS = {
@@ -300,6 +309,8 @@ CAPTURE_VARIANTS = {
     "placed-at-drain": ({PLACE_AT_DRAIN_ENV: "1"}, "capture, rows placed at the fetch (no placer thread during the pass)"),
     "batch-64-steps": ({STEP_BATCH_ENV: "64,4096"}, "capture, batches of 64 steps or 4096 rows"),
     "host-placer": ({FILE_WRITES_ENV: "0"}, "capture, rows placed by the host placer (the GPU never writes the row file)"),
+    "settled-placement": ({SETTLE_PLACEMENT_ENV: "1"},
+                          "capture, the requests sent once the worker answered place_into"),
 }
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}

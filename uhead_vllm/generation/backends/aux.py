@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -60,6 +61,13 @@ def capture_engine_kwargs(
 #: Every engine's shared row files (:class:`SharedRowFiles`), shared by the generators on it.
 _ROW_FILES: "weakref.WeakKeyDictionary[Any, SharedRowFiles]" = weakref.WeakKeyDictionary()
 _ROW_FILES_GUARD = threading.Lock()
+#: ``1``: wait for the worker's answer to ``place_into`` before the generation's requests are
+#: sent (a measuring aid). Unset, the requests follow the destination without that round trip;
+#: the engine core then takes its first step once it has placed the destination, with the
+#: requests that came meanwhile, where an idle engine core starts with the first one or two
+#: (a SmolLM2 trace at 256 sequences: 36 then 220 requests prefilled, where plain vLLM
+#: prefills 2 then 254; docs/gpu.md, session 21).
+SETTLE_PLACEMENT_ENV = "UHEAD_SETTLE_PLACEMENT"
 
 
 def shared_row_files(llm: Any) -> SharedRowFiles:
@@ -127,8 +135,8 @@ class AuxClient:
         sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (payload,))
         ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(payload,))
         placement = Placement(destination, lambda: any(ask()), unname)
-        if sent is None:  # it cannot go ahead of the requests: ask now, before they are sent
-            placement.settle()
+        if sent is None or os.environ.get(SETTLE_PLACEMENT_ENV) == "1":
+            placement.settle()  # ask now, before the requests are sent (see SETTLE_PLACEMENT_ENV)
         return placement
 
     def fetch(self) -> CapturedRows:
