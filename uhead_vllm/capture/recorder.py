@@ -6,8 +6,9 @@ tagged rows on the device (a slice per contiguous run of tagged requests, usuall
 the hot path waits for the device. When the engine side gave a :class:`RowDestination` (its own
 tensor in this process, or a shared-memory file), steps collect in a device buffer and reach the
 destination a batch at a time during the generation (step_batch.py), each row with its input
-token: on a GPU the device writes them into the registered row file (file_writer.py), else they
-go to pinned memory and the placer writes them (placer.py); only their count is kept. Without one, each
+token: they go to pinned memory and the placer writes them (placer.py), or, where the engine asks
+for it, the device writes them into the registered row file itself (file_writer.py); only their
+count is kept. Without one, each
 step is copied to pinned memory asynchronously and kept. ``take`` waits once and assembles one
 :class:`CapturedRows`.
 

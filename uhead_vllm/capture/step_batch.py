@@ -5,9 +5,9 @@ recorder makes per step shows in throughput (SmolLM2 shape on an H100: ~0.28 ms 
 step, a dozen calls, was 6% of the step). Here a step costs one call that copies its rows,
 positions and token ids into a persistent buffer (on a GPU a recurring step's copy replays as one
 CUDA graph, step_graphs.py); once a batch holds :data:`MAX_STEPS` steps or :data:`FLUSH_ROWS`
-rows, or the buffer is full, the batch is shipped as one: the device writes it straight into the
-row file (file_writer.py), or one asynchronous copy moves it to pinned host memory and the placer
-writes it. Two buffers alternate: one fills while the other is being shipped, and the main stream
+rows, or the buffer is full, the batch is shipped as one: one asynchronous copy moves it to pinned
+host memory and the placer writes it, or (opt-in) the device writes it straight into the row file
+(file_writer.py). Two buffers alternate: one fills while the other is being shipped, and the main stream
 waits (on the device, never the host) for a buffer's shipping before writing into it again.
 
 On CPU the same path runs with one host buffer and nothing in flight: a batch is placed at flush.
