@@ -55,10 +55,17 @@ def summarise(path: Path) -> dict[str, Any]:
         c = calls[e["name"]]
         c[0] += 1
         c[1] += float(e.get("dur", 0))
+    # vLLM annotates each engine step "execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)"
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("execute_")),
+                   key=lambda e: float(e["ts"]))
+    prefill = [{"step": k, "step_name": e["name"], "ms": float(e.get("dur", 0)) / 1e3}
+               for k, e in enumerate(steps) if not e["name"].startswith("execute_context_0(")]
     return {"device_span_ms": span / 1e3, "device_busy_ms": busy / 1e3, "device_idle_ms": (span - busy) / 1e3,
             "busy_ms_per_stream": {k: v / 1e3 for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])},
             "device_work": {k: {"count": int(n), "ms": t / 1e3} for k, (n, t) in sorted(work.items(), key=lambda kv: -kv[1][1])},
-            "runtime_calls": {k: {"count": int(n), "ms": t / 1e3} for k, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])}}
+            "runtime_calls": {k: {"count": int(n), "ms": t / 1e3} for k, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])},
+            "steps": len(steps), "steps_ms": sum(float(e.get("dur", 0)) for e in steps) / 1e3,
+            "steps_with_prompt_tokens": prefill}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -73,6 +80,11 @@ def report(result: dict[str, Any]) -> str:
             streams = ", ".join(f"{k}: {v:.1f}" for k, v in list(s["busy_ms_per_stream"].items())[:3])
             lines.append(f"| {way} | {s['seconds']:.3f} | {s['device_span_ms']:.1f} | {s['device_busy_ms']:.1f} | "
                          f"{s['device_idle_ms']:.1f} | {streams} |")
+        lines += ["", "Engine steps (vLLM's step annotations: requests(tokens) with prompt tokens, then decoding):", "",
+                  "| way | steps | their host ms | steps with prompt tokens: name, ms |", "|---|---:|---:|---|"]
+        for way, s in ways.items():
+            prefill = "; ".join(f"`{p['step_name']}` {p['ms']:.1f}" for p in s["steps_with_prompt_tokens"][:4])
+            lines.append(f"| {way} | {s['steps']} | {s['steps_ms']:.1f} | {prefill} |")
         if {"untagged", "placed"} <= ways.keys():
             for key, title in (("device_work", "Device work"), ("runtime_calls", "Host CUDA runtime calls")):
                 a, b = ways["untagged"][key], ways["placed"][key]
