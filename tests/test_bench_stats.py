@@ -1,7 +1,9 @@
 """The paired GPU bench's interval for a ratio of medians (experiments/gpu/bench_gpu.py): pure
-arithmetic, checked on series whose ratio is known."""
+arithmetic, checked on series whose ratio is known; and the host probe that runs before it."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -30,3 +32,18 @@ def test_the_interval_holds_the_true_ratio_and_widens_with_noise():
 def test_series_of_different_lengths_are_refused():
     with pytest.raises(ValueError, match="equally long"):
         median_ratio_interval([1.0, 2.0], [1.0])
+
+
+def test_the_host_probe_times_every_core_it_may_run_on(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from experiments.gpu import host_probe
+
+    monkeypatch.setattr(sys, "argv", ["host_probe", "--out", str(tmp_path), "--reps", "2"])
+    host_probe.main()
+    result = json.loads((tmp_path / "host-probe.json").read_text())
+    assert result["cores"] == sorted(os.sched_getaffinity(0))
+    assert set(result["work_ms_median_per_core"]) == {str(c) for c in result["cores"]}
+    assert 0 < result["work_ms_median_all"] <= result["work_ms_slowest_core"]
+    assert 0.0 <= result["steal_fraction"] < 1.0

@@ -7,6 +7,7 @@
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh pytest     # the GPU tests that way (rows via shared memory)
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh ablate SHAPE  # capture's cost inside generate, split
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh trace SHAPE   # placed vs untagged on the GPU timeline
+#   bash experiments/gpu/device_run.sh probe   # how busy the host's cores are (~5 s; bench and ablate run it first)
 # The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
 # UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
 set -uo pipefail
@@ -16,6 +17,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=$W/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
 what=$1; shift
+probe() {  # the host's cores before a measurement (experiments/gpu/host_probe.py): a busy host shows here in ~5 s
+  python3 -m experiments.gpu.host_probe --out "$1" 2>&1 | tail -n 1
+}
 case $what in
   pytest)
     rm -rf "$W/parity"; mkdir -p "$W/parity"
@@ -27,11 +31,13 @@ case $what in
     shape=$1; shift
     dir=$OUT/bench-$shape$([ "${ENGINE_PROCESS:-0}" = 1 ] && echo -engine-process)
     mkdir -p "$dir"
+    probe "$dir"
     timeout "${TIMEOUT:-540}" python3 -m experiments.gpu.bench_gpu --shape "$shape" --tokenizer .gpu/tok \
       --out "$dir" "$@" 2>&1 | grep -E "^\[bench\]|Error|Warning: uhead_vllm" | tail -n 20
     cat "$dir"/bench-*.md 2>/dev/null | tail -n 16 ;;
   ablate)  # with ENGINE_PROCESS=1: capture's cost inside generate, split (experiments/gpu/ablate_capture.py)
     shape=$1; shift
+    probe "$OUT/ablate"
     timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.ablate_capture --shape "$shape" --tokenizer .gpu/tok \
       --out "$OUT/ablate" "$@" 2>&1 | grep -E "^\||Error" | tail -n 12 ;;
   trace)  # with ENGINE_PROCESS=1: placed vs untagged decode steps on the GPU timeline (experiments/gpu/trace_steps.py)
@@ -39,5 +45,6 @@ case $what in
     timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.trace_steps --shape "$shape" --tokenizer .gpu/tok \
       --out "$OUT/trace" "$@" 2>&1 | grep -E "^\[trace\]|Error" | tail -n 20
     cat "$OUT/trace/trace-steps.md" 2>/dev/null | head -n 60 ;;
-  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE | trace SHAPE)"; exit 2 ;;
+  probe) probe "$OUT" ;;
+  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE | trace SHAPE | probe)"; exit 2 ;;
 esac
