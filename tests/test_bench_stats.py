@@ -47,3 +47,14 @@ def test_the_host_probe_times_every_core_it_may_run_on(tmp_path, monkeypatch):
     assert set(result["work_ms_median_per_core"]) == {str(c) for c in result["cores"]}
     assert 0 < result["work_ms_median_all"] <= result["work_ms_slowest_core"]
     assert 0.0 <= result["steal_fraction"] < 1.0
+
+
+def test_cores_are_grouped_by_physical_core_whatever_their_ids():
+    from experiments.gpu.host_probe import cpu_list, physical_cores
+
+    assert cpu_list("0,8") == [0, 8] and cpu_list("2-3") == [2, 3] and cpu_list("5\n") == [5]
+    smt_apart = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}  # siblings 0 and 4, 1 and 5, ...
+    assert physical_cores(list(range(8)), smt_apart) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    smt_adjacent = {c: f"{c - c % 2}-{c - c % 2 + 1}" for c in range(8)}
+    assert physical_cores(list(range(8)), smt_adjacent) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert physical_cores([3, 1], {}) == [[1], [3]]  # no topology known: one core each

@@ -249,14 +249,18 @@ class CorePinner:
     """Gives this process and each engine built after it a share of the cores: ``parts`` engines,
     one share each, the first share to this process. A measuring aid: with every engine-core
     process free to run anywhere, two identical plain engines differed by 5-9% in median time
-    at 256 sequences on a lent H100 host (c27b7b3)."""
+    at 256 sequences on a lent H100 host (c27b7b3). Shares are whole physical cores: contiguous
+    ids can be SMT siblings of another share's (e.g. 0 and 8 of a 16-thread VM), and an engine
+    sharing physical cores with the always-busy caller would be measured slower for that alone."""
 
     def __init__(self, parts: int):
         import psutil
 
-        cores = sorted(os.sched_getaffinity(0))
-        size = max(1, len(cores) // (parts + 1))
-        self.shares = [cores[i * size:(i + 1) * size] for i in range(parts + 1)]
+        from experiments.gpu.host_probe import physical_cores
+
+        units = physical_cores(sorted(os.sched_getaffinity(0)))
+        size = max(1, len(units) // (parts + 1))
+        self.shares = [sorted(c for unit in units[i * size:(i + 1) * size] for c in unit) for i in range(parts + 1)]
         self.me = psutil.Process()
         self.known = {p.pid for p in self.me.children(recursive=True)}
         self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}

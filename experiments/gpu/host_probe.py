@@ -5,7 +5,8 @@ A SmolLM2 step is host-bound, so a benchmark is only as steady as the host's cor
 ≤ 0.70 s, and that was only seen after a 6-minute run. This times one fixed single-threaded
 Python workload on each core (pinned, one core at a time, ``--reps`` times), and reads the
 kernel's counters over the probe: CPU time stolen by the hypervisor (``steal`` in /proc/stat),
-load average, and the cores' current clock where the kernel reports it. Writes ``host-probe.json``
+load average, the cores' current clock where the kernel reports it, and which cores are SMT
+siblings of one physical core. Writes ``host-probe.json``
 to ``--out`` and prints one line per core and a summary; the numbers are for comparing hosts
 (stored next to each benchmark), not a pass/fail test.
 
@@ -30,6 +31,33 @@ def _work(n: int = 200_000) -> int:
         d[i & 1023] = i
         s += d.get((i * 7) & 1023, 0) & 0xFF
     return s
+
+
+def cpu_list(text: str) -> list[int]:
+    """A kernel CPU list ("0,8", "0-1", "3") as ids."""
+    ids: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            a, _, b = part.partition("-")
+            ids += range(int(a), int(b or a) + 1)
+    return ids
+
+
+def physical_cores(cores: list[int], siblings: dict[int, str] | None = None) -> list[list[int]]:
+    """``cores`` grouped by physical core, SMT siblings together (``siblings``: each core's
+    ``thread_siblings_list``, read from /sys when not given), ordered by their first id."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for c in cores:
+        text = siblings.get(c, str(c)) if siblings is not None else _siblings_text(c)
+        groups.setdefault(tuple(sorted(cpu_list(text))), []).append(c)
+    return sorted(groups.values(), key=min)
+
+
+def _siblings_text(core: int) -> str:
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text()
+    except OSError:
+        return str(core)
 
 
 def _stat() -> list[int]:
@@ -70,7 +98,7 @@ def main() -> None:
     steal = delta[7] / total if len(delta) > 7 else 0.0
     medians = {c: statistics.median(t) * 1e3 for c, t in per_core.items()}
     spread = {c: (max(t) - min(t)) / min(t) for c, t in per_core.items()}
-    result = {"cores": cores, "reps": args.reps, "seconds": seconds, "loadavg": os.getloadavg(),
+    result = {"cores": cores, "physical_cores": physical_cores(cores), "reps": args.reps, "seconds": seconds, "loadavg": os.getloadavg(),
               "steal_fraction": steal, "clock_mhz": _clock_mhz(),
               "work_ms_median_per_core": medians, "work_spread_per_core": spread,
               "work_ms_median_all": statistics.median(medians.values()),
@@ -80,7 +108,7 @@ def main() -> None:
     (out / "host-probe.json").write_text(json.dumps(result, indent=1))
     for c in cores:
         print(f"[probe] core {c}: {medians[c]:.1f} ms (spread {100 * spread[c]:.0f}%)")
-    print(f"[probe] {len(cores)} cores: work {result['work_ms_median_all']:.1f} ms median, slowest core "
+    print(f"[probe] {len(cores)} cores on {len(result['physical_cores'])} physical cores: work {result['work_ms_median_all']:.1f} ms median, slowest core "
           f"{result['work_ms_slowest_core']:.1f} ms; steal {100 * steal:.1f}% of CPU time; "
           f"load {result['loadavg'][0]:.2f}; {seconds:.1f} s")
 
