@@ -169,7 +169,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     for name, config, captured, env in (
             ("plain-graphs", Config("plain", "compiled"), (0,), {}),
             ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
-            *((f"ours-{v}", Config("ours", "compiled", "bfloat16"), layers, CAPTURE_VARIANTS[v][0]) for v in variants),
+            *((name, Config("ours", "compiled", "bfloat16"), layers, env) for name, env in variant_env.items()),
             *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
         with mock.patch.dict(os.environ, env):  # read in the engine process it starts (and per run, here)
             runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True),
