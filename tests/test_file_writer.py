@@ -26,9 +26,8 @@ def file_destination(slots: dict, groups=(), shape=SHAPE) -> tuple[RowDestinatio
 
 def write(dest: RowDestination, writer: FileWriter, hidden: torch.Tensor, meta: torch.Tensor, chunks: ChunkSlots) -> None:
     """What the recorder does at a flush with a writer, in one thread."""
-    first = torch.from_numpy(np.repeat(chunks.first, chunks.lens))
-    capacity = torch.from_numpy(np.repeat(chunks.capacity, chunks.lens))
-    writer.write(hidden, meta, first, capacity)
+    first, capacity = chunks.per_row()
+    writer.write(hidden, meta, torch.from_numpy(first), torch.from_numpy(capacity))
     share_written_rows(dest, meta, chunks)
 
 

@@ -43,6 +43,10 @@ class ChunkSlots:
     lens: np.ndarray  # [C]
     group_row: np.ndarray | None = None  # [C]
 
+    def per_row(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's slot: its chunk's first row and capacity, repeated over the chunk's rows."""
+        return np.repeat(self.first, self.lens), np.repeat(self.capacity, self.lens)
+
     @classmethod
     def joined(cls, parts: list["ChunkSlots"]) -> "ChunkSlots":
         """The chunks of consecutive steps as one step's."""
@@ -92,9 +96,9 @@ def share_written_rows(dest: RowDestination, meta: torch.Tensor, chunks: ChunkSl
 def own_places(chunks: ChunkSlots, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's place in its own slot (``first + position``) and whether it is written there:
     inside its slot, and the last of the rows bound for that place."""
-    first = np.repeat(chunks.first, chunks.lens)
+    first, capacity = chunks.per_row()
     index = first + pos
-    inside = (first >= 0) & (pos >= 0) & (pos < np.repeat(chunks.capacity, chunks.lens))
+    inside = (first >= 0) & (pos >= 0) & (pos < capacity)
     if index.size > 1:  # a place written twice (a position forwarded again): the last row counts
         kept = np.flatnonzero(inside)
         last = np.unique(index[kept][::-1], return_index=True)[1]

@@ -309,16 +309,14 @@ class RowRecorder:
         only sends each row's slot, 16 bytes); prompt rows of prefix groups are then fanned out
         by the placer from the file, once the writes are done."""
         dest = self.destination
-        places = np.stack([np.repeat(chunks.first, chunks.lens), np.repeat(chunks.capacity, chunks.lens)])
+        places = np.stack(chunks.per_row())
         if hidden.device.type != "cuda":
             self._writer.write(hidden, meta, *torch.from_numpy(places))
             if dest.groups:
                 self._placer.submit(None, dest, None, meta, chunks)
             return None
         stream, main = self._streams(hidden.device)
-        if self._arena is None:
-            self._arena = PinnedArena(METADATA_CHUNK_BYTES)
-        host_places = self._arena.host_copy(torch.empty(places.shape, dtype=torch.int64, device="meta"))
+        host_places = self._metadata_arena().host_copy(torch.empty(places.shape, dtype=torch.int64, device="meta"))
         host_places.numpy()[...] = places
         torch.cuda.set_stream(stream)
         try:
@@ -326,7 +324,7 @@ class RowRecorder:
             self._writer.write(hidden, meta, slot_first, capacity)
             host_meta = None
             if dest.groups:
-                host_meta = self._arena.host_copy(meta)
+                host_meta = self._metadata_arena().host_copy(meta)
                 host_meta.copy_(meta, non_blocking=True)
             for t in (hidden, meta):
                 t.record_stream(stream)
@@ -338,6 +336,12 @@ class RowRecorder:
         if host_meta is not None:
             self._placer.submit(event, dest, None, host_meta, chunks)
         return event
+
+    def _metadata_arena(self) -> PinnedArena:
+        """The pinned arena for placed steps' host-side metadata (made at first use, reset at the take)."""
+        if self._arena is None:
+            self._arena = PinnedArena(METADATA_CHUNK_BYTES)
+        return self._arena
 
     def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """The copy stream, made to wait for what the main stream queued so far, and the main stream."""
@@ -361,10 +365,10 @@ class RowRecorder:
         staged = release = None
         if self.destination is not None:
             if self._staging is None:
-                self._staging, self._arena = PinnedRing(STAGING_BYTES), PinnedArena(METADATA_CHUNK_BYTES)
+                self._staging = PinnedRing(STAGING_BYTES)
             if hidden.numel() * hidden.element_size() <= STAGING_BYTES // 4:
                 staged = self._staging.host_copy(hidden)
-            host_meta = self._arena.host_copy(meta)
+            host_meta = self._metadata_arena().host_copy(meta)
         else:  # rows and metadata kept until fetched, in memory of their own
             host_meta = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
         if staged is not None:
