@@ -14,12 +14,13 @@ from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file
 SHAPE = (60, 2, 3)  # rows, columns, hidden
 
 
-def file_destination(slots: dict, groups=(), shape=SHAPE) -> tuple[RowDestination, FileWriter, torch.Tensor]:
+def file_destination(slots: dict, groups=(), shape=SHAPE, dtype: str = "float32"
+                     ) -> tuple[RowDestination, FileWriter, torch.Tensor]:
     """A row file's destination (as the worker maps it), its writer and the whole file."""
-    flat = torch.zeros(destination_nbytes(shape, "float32"), dtype=torch.uint8)
-    byte_rows, marks = file_views(flat, shape, "float32")
+    flat = torch.zeros(destination_nbytes(shape, dtype), dtype=torch.uint8)
+    byte_rows, marks = file_views(flat, shape, dtype)
     marks.fill_(-1)
-    dest = RowDestination(byte_rows[: shape[0]].view(torch.float32).view(shape), dict(slots), list(groups),
+    dest = RowDestination(byte_rows[: shape[0]].view(getattr(torch, dtype)).view(shape), dict(slots), list(groups),
                           marks[: shape[0]])
     return dest, FileWriter(byte_rows, marks), flat
 
@@ -42,16 +43,24 @@ def test_rows_past_their_slot_go_to_scratch_and_the_last_row_for_a_place_wins():
     assert dest.tokens.tolist() == [100, 103, -1, 105, -1, -1]
 
 
-def test_the_file_writer_puts_every_row_where_the_placer_does():
+@pytest.mark.parametrize("columns, hidden_size, dtype, word, misaligned", [
+    (2, 3, "float32", torch.int64, False),  # 24-byte rows: 8-byte words
+    (1, 3, "float32", torch.int32, False),  # 12-byte rows
+    (1, 3, "bfloat16", torch.int16, False),  # 6-byte rows
+    (2, 3, "float32", torch.int64, True),  # rows at an address 8 does not divide: copied as bytes
+])
+def test_the_file_writer_puts_every_row_where_the_placer_does(columns, hidden_size, dtype, word, misaligned):
     """Random batches (several steps joined: prompt chunks, decode rows, positions forwarded twice,
     rows past a slot, rows of no slot) into slots with nested prefix groups: rows and marks equal
-    the host placer's, bit for bit."""
-    rng = np.random.default_rng(0)
+    the host placer's, bit for bit, whatever words the rows are copied as."""
+    rng, values_rng = np.random.default_rng(0), np.random.default_rng(1)  # batches, rows
     tags = list(range(6))
     slots = {t: (10 * t, 10) for t in tags}
     groups = [(6, (0, 1, 2, 3)), (8, (0, 1)), (5, (4, 5))]
-    dest, writer, _ = file_destination(slots, groups)
-    reference = RowDestination(torch.zeros(SHAPE), dict(slots), list(groups))
+    shape, torch_dtype = (SHAPE[0], columns, hidden_size), getattr(torch, dtype)
+    dest, writer, _ = file_destination(slots, groups, shape, dtype)
+    assert writer.word == word
+    reference = RowDestination(torch.zeros(shape, dtype=torch_dtype), dict(slots), list(groups))
     reference.tokens.fill_(-1)
     for _ in range(40):
         firsts, caps, lens, group_rows, positions = [], [], [], [], []
@@ -64,7 +73,10 @@ def test_the_file_writer_puts_every_row_where_the_placer_does():
             group_rows.append(dest.group_row.get(tag, -1))
             positions += range(start, start + n)
         meta = torch.stack([torch.tensor(positions), torch.from_numpy(rng.integers(0, 500, len(positions)))])
-        hidden = torch.from_numpy(rng.standard_normal((len(positions), 2, 3)).astype(np.float32))
+        n = len(positions) * columns * hidden_size
+        values = torch.from_numpy(values_rng.standard_normal(n + 1).astype(np.float32)).to(torch_dtype)
+        hidden = values[int(misaligned) :][:n].view(len(positions), columns, hidden_size)
+        assert hidden.data_ptr() % 8 == (4 if misaligned else 0)  # misaligned: 4 bytes into its memory
         chunks = ChunkSlots(*(np.asarray(x, dtype=np.int64) for x in (firsts, caps, lens, group_rows)))
         place_step(reference, hidden, meta, chunks)
         write(dest, writer, hidden, meta, chunks)
@@ -92,6 +104,13 @@ def test_the_worker_writes_row_files_itself_only_when_asked(monkeypatch):
     writer = files.writer("k", flat, SHAPE, "float32", cpu)
     assert writer is not None and writer.scratch == SHAPE[0]
     assert files.writer("", flat, SHAPE, "float32", cpu) is None  # a buffer of this process, not a file
+    # The engine side's choice, sent with the destination, goes before the worker's environment.
+    assert files.writer("k", flat, SHAPE, "float32", cpu, asked=False) is None
+    monkeypatch.setenv(FILE_WRITES_ENV, "0")
+    assert files.writer("k", flat, SHAPE, "float32", cpu, asked=True) is not None
+    monkeypatch.setenv(FILE_WRITES_ENV, "yes")
+    with pytest.raises(ValueError, match="UHEAD_FILE_WRITES='yes': expected 1"):
+        files.writer("k", flat, SHAPE, "float32", cpu)
 
 
 def test_every_row_but_the_last_for_a_place_is_sent_to_scratch():

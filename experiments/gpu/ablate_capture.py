@@ -7,7 +7,10 @@ vLLM's default engine-core process), so process-to-process noise cancels:
   capture tags: the recorder sees the requests but records nothing;
 - ``kept``: capture, rows kept in the worker's pinned memory and fetched after the pass (no row
   destination, so no placer thread beside the engine);
-- ``placed``: capture as shipped, rows written into the caller's shared buffer while vLLM runs.
+- ``placed``: capture as shipped, rows written into the caller's shared buffer while vLLM runs by
+  the placer thread beside the engine;
+- ``written``: the same, the rows written into that buffer by the GPU (``capture/file_writer.py``;
+  asked per call, with the destination).
 
 ``kept`` - ``untagged`` prices the engine thread's recording; ``placed`` - ``kept`` the placer
 thread (and the shared-memory destination) during the pass. ``--timing`` builds the engine with
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from experiments import provenance
+from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SEQUENCES = (16, 256)  # prompts x N samples
@@ -156,10 +160,12 @@ def spy_section(files: dict[tuple[int, str], list[Path]], pid: int) -> list[str]
         ways = {name: per_run_ms(paths, pid, SPY_RATE, SPY_BELOW) for (s, name), paths in files.items() if s == seqs}
         lines += ["", f"{seqs} sequences; sampled ms per run: "
                   + ", ".join(f"{name} {total:.0f}" for name, (_, _, total) in ways.items())]
-        if "untagged" in ways and "placed" in ways:
+        for way in ("placed", "written"):
+            if "untagged" not in ways or way not in ways:
+                continue
             for kind, index in (("inclusive", 0), ("self", 1)):
-                lines += ["", f"{kind}:", "", *growth_table(ways["untagged"][index], ways["placed"][index],
-                                                             "untagged", "placed", top=20)]
+                lines += ["", f"{kind}, untagged to {way}:", "", *growth_table(ways["untagged"][index], ways[way][index],
+                                                                               "untagged", way, top=20)]
     return lines
 
 
@@ -171,6 +177,9 @@ def main() -> None:
     ap.add_argument("--timing", action="store_true", help="time each engine step's parts (step_timing.py)")
     ap.add_argument("--spy", metavar="PY_SPY", help="py-spy's binary: record the engine core during every run")
     ap.add_argument("--reps", type=int, default=REPS, help=f"runs of each way per batch size (default {REPS})")
+    ap.add_argument("--ways", default="untagged,placed,written",
+                    help="comma-separated, of untagged, kept, placed, written (default: all but kept, which "
+                         "takes seconds per run)")
     ap.add_argument("--pin", action="store_true",
                     help="this process and the engine-core process on 4 cores of their own each (bench_gpu.CorePinner)")
     args = ap.parse_args()
@@ -216,13 +225,16 @@ def main() -> None:
         runner.llm.generate(inputs, params, use_tqdm=False)
         return {"seconds": time.perf_counter() - t0}
 
-    def captured(wl: Workload, placed: bool) -> dict[str, Any]:
+    def captured(wl: Workload, placed: bool, device_writes: bool = False) -> dict[str, Any]:
         # No room for a destination buffer: the generator lets the worker keep the rows instead.
         generator_module._physical_memory = physical_memory if placed else (lambda: 0)
+        asked = os.environ.get(FILE_WRITES_ENV)
+        os.environ[FILE_WRITES_ENV] = "1" if device_writes else "0"  # sent with this call's destination
         try:
             r = runner.run(wl)
         finally:
             generator_module._physical_memory = physical_memory
+            os.environ.pop(FILE_WRITES_ENV) if asked is None else os.environ.update({FILE_WRITES_ENV: asked})
         return {"seconds": r.seconds, **r.extra}
 
     def timed(way: Any) -> Any:
@@ -249,7 +261,12 @@ def main() -> None:
                 files.append(path)
         return run
 
-    ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True)}
+    ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True),
+            "written": lambda wl: captured(wl, True, device_writes=True)}
+    unknown = set(args.ways.split(",")) - set(ways)
+    if unknown:
+        raise SystemExit(f"--ways: unknown {sorted(unknown)} (of {', '.join(ways)})")
+    ways = {name: way for name, way in ways.items() if name in args.ways.split(",")}
     if args.timing:
         ways = {name: timed(way) for name, way in ways.items()}
     if args.spy:

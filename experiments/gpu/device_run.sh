@@ -7,6 +7,7 @@
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh pytest     # the GPU tests that way (rows via shared memory)
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh ablate SHAPE  # capture's cost inside generate, split
 #   ENGINE_PROCESS=1 bash experiments/gpu/device_run.sh trace SHAPE   # placed vs untagged on the GPU timeline
+#   bash experiments/gpu/device_run.sh words   # the device's row-file writer by copy word, beside matmuls (~30 s)
 #   bash experiments/gpu/device_run.sh probe   # how busy the host's cores are (~5 s; bench and ablate run it first)
 # The carried tokenizer folder is .gpu/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja);
 # UHEAD_COMMIT names the commit (the machine gets a working tree, not the repository).
@@ -45,6 +46,8 @@ case $what in
     timeout "${TIMEOUT:-300}" python3 -m experiments.gpu.trace_steps --shape "$shape" --tokenizer .gpu/tok \
       --out "$OUT/trace" "$@" 2>&1 | grep -E "^\[trace\]|Error" | tail -n 20
     cat "$OUT/trace/trace-steps.md" 2>/dev/null | head -n 60 ;;
+  words)  # experiments/gpu/writer_words.py
+    timeout "${TIMEOUT:-120}" python3 -m experiments.gpu.writer_words --out "$OUT/words" 2>&1 | tail -n 40 ;;
   probe) probe "$OUT" ;;
-  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE | trace SHAPE | probe)"; exit 2 ;;
+  *) echo "unknown: $what (pytest | bench SHAPE | ablate SHAPE | trace SHAPE | words | probe)"; exit 2 ;;
 esac

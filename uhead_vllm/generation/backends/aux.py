@@ -14,6 +14,7 @@ import torch
 
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
+from ...capture.file_writer import device_writes_asked
 from ...capture.protocol import (
     CAPTURE_KEY,
     EXTENSION_QUALNAME,
@@ -125,7 +126,7 @@ class AuxClient:
             return Placement(None)
         row_file, flat = taken
         spec = SharedDestination(row_file.path, shape, dtype, slots, row_file.file_id, list(groups),
-                                 row_file.key, row_file.nbytes, tuple(files.keys()))
+                                 row_file.key, row_file.nbytes, tuple(files.keys()), device_writes_asked())
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             destination = spec.on(flat, tables=False)
         destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks
