@@ -10,7 +10,9 @@ vLLM's default engine-core process), so process-to-process noise cancels:
 - ``placed``: capture as shipped, rows written into the caller's shared buffer while vLLM runs by
   the placer thread beside the engine;
 - ``written``: the same, the rows written into that buffer by the GPU (``capture/file_writer.py``;
-  asked per call, with the destination).
+  asked per call, with the destination);
+- ``settled``: ``placed`` with the requests sent only once the worker answered ``place_into``
+  (``UHEAD_SETTLE_PLACEMENT``), so the engine core starts idle, as for plain vLLM.
 
 ``kept`` - ``untagged`` prices the engine thread's recording; ``placed`` - ``kept`` the placer
 thread (and the shared-memory destination) during the pass. ``--timing`` builds the engine with
@@ -41,6 +43,7 @@ import numpy as np
 
 from experiments import provenance
 from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
+from uhead_vllm.generation.backends.aux import SETTLE_PLACEMENT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SEQUENCES = (16, 256)  # prompts x N samples
@@ -160,7 +163,7 @@ def spy_section(files: dict[tuple[int, str], list[Path]], pid: int) -> list[str]
         ways = {name: per_run_ms(paths, pid, SPY_RATE, SPY_BELOW) for (s, name), paths in files.items() if s == seqs}
         lines += ["", f"{seqs} sequences; sampled ms per run: "
                   + ", ".join(f"{name} {total:.0f}" for name, (_, _, total) in ways.items())]
-        for way in ("placed", "written"):
+        for way in ("placed", "written", "settled"):
             if "untagged" not in ways or way not in ways:
                 continue
             for kind, index in (("inclusive", 0), ("self", 1)):
@@ -178,8 +181,8 @@ def main() -> None:
     ap.add_argument("--spy", metavar="PY_SPY", help="py-spy's binary: record the engine core during every run")
     ap.add_argument("--reps", type=int, default=REPS, help=f"runs of each way per batch size (default {REPS})")
     ap.add_argument("--ways", default="untagged,placed,written",
-                    help="comma-separated, of untagged, kept, placed, written (default: all but kept, which "
-                         "takes seconds per run)")
+                    help="comma-separated, of untagged, kept, placed, written, settled (default: untagged, "
+                         "placed, written; kept takes seconds per run)")
     ap.add_argument("--pin", action="store_true",
                     help="this process and the engine-core process on 4 cores of their own each (bench_gpu.CorePinner)")
     args = ap.parse_args()
@@ -225,16 +228,19 @@ def main() -> None:
         runner.llm.generate(inputs, params, use_tqdm=False)
         return {"seconds": time.perf_counter() - t0}
 
-    def captured(wl: Workload, placed: bool, device_writes: bool = False) -> dict[str, Any]:
+    def captured(wl: Workload, placed: bool, device_writes: bool = False, settled: bool = False) -> dict[str, Any]:
         # No room for a destination buffer: the generator lets the worker keep the rows instead.
         generator_module._physical_memory = physical_memory if placed else (lambda: 0)
-        asked = os.environ.get(FILE_WRITES_ENV)
-        os.environ[FILE_WRITES_ENV] = "1" if device_writes else "0"  # sent with this call's destination
+        # Both are read in this process at every call: sent with the destination / when it is sent.
+        asked = {FILE_WRITES_ENV: "1" if device_writes else "0", SETTLE_PLACEMENT_ENV: "1" if settled else "0"}
+        before = {name: os.environ.get(name) for name in asked}
+        os.environ.update(asked)
         try:
             r = runner.run(wl)
         finally:
             generator_module._physical_memory = physical_memory
-            os.environ.pop(FILE_WRITES_ENV) if asked is None else os.environ.update({FILE_WRITES_ENV: asked})
+            for name, value in before.items():
+                os.environ.pop(name) if value is None else os.environ.update({name: value})
         return {"seconds": r.seconds, **r.extra}
 
     def timed(way: Any) -> Any:
@@ -262,7 +268,8 @@ def main() -> None:
         return run
 
     ways = {"untagged": untagged, "kept": lambda wl: captured(wl, False), "placed": lambda wl: captured(wl, True),
-            "written": lambda wl: captured(wl, True, device_writes=True)}
+            "written": lambda wl: captured(wl, True, device_writes=True),
+            "settled": lambda wl: captured(wl, True, settled=True)}
     unknown = set(args.ways.split(",")) - set(ways)
     if unknown:
         raise SystemExit(f"--ways: unknown {sorted(unknown)} (of {', '.join(ways)})")
