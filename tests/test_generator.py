@@ -5,6 +5,8 @@ Each check compares the returned rows with Hugging Face's forward on the exact t
 
 from __future__ import annotations
 
+import copy
+
 import gc
 import os
 
@@ -181,7 +183,12 @@ def test_diverging_candidates_keep_their_own_rows(llm, model_path):
 def test_n_samples_match_vllm_seeding_and_share_prompt_rows(llm, model_path):
     gen = VllmHiddenStatesGenerator(llm)
     sp4 = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=11)
+    before = copy.deepcopy(sp4)
     res = gen.generate(["5 + 6 = 11 and"], sp4)
+    # The requests' params are the generator's own (vLLM skips its deep copy of them): never the
+    # caller's, which vLLM would otherwise update in place (its stop ids).
+    assert repr(sp4) == repr(before) and sp4._all_stop_token_ids == before._all_stop_token_ids
+    assert not sp4.skip_clone
     one = gen.generate(["5 + 6 = 11 and"], SamplingParams(n=1, max_tokens=6, temperature=1.0, seed=11))
     samples = res.hidden_states[0]
     assert [s.sample_index for s in samples] == [0, 1, 2, 3]
