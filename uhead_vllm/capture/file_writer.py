@@ -45,6 +45,8 @@ def device_writes_asked() -> bool | None:
     if value not in (None, "", "0", "1"):
         raise ValueError(f"{FILE_WRITES_ENV}={value!r}: expected 1 (the device writes rows) or 0 (the host placer)")
     return None if not value else value == "1"
+
+
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 
 
