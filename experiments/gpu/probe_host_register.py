@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from experiments.gpu.writer_words import shared_file
 
 REGISTER_PORTABLE, REGISTER_MAPPED = 1, 2
 
@@ -51,15 +50,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
     nbytes = args.mib << 20
-    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="uhead-probe-")
-    try:
-        os.ftruncate(fd, nbytes)
-        memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    host = torch.frombuffer(memory, dtype=torch.uint8)
-    host[:: 4096] = 0  # touch every page first (a reused row file's pages exist)
+    host = shared_file(nbytes)  # every page touched first (a reused row file's pages exist)
     ptr = host.data_ptr()
     cudart = torch.cuda.cudart()
     t0 = time.perf_counter()
