@@ -184,9 +184,17 @@ def test_n_samples_match_vllm_seeding_and_share_prompt_rows(llm, model_path):
     gen = VllmHiddenStatesGenerator(llm)
     sp4 = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=11)
     before = copy.deepcopy(sp4)
-    res = gen.generate(["5 + 6 = 11 and"], sp4)
-    # The requests' params are the generator's own (vLLM skips its deep copy of them): never the
-    # caller's, which vLLM would otherwise update in place (its stop ids).
+    sent: list = []
+    send = llm.generate
+    llm.generate = lambda prompts, params, **kw: sent.extend(params) or send(prompts, params, **kw)
+    try:
+        res = gen.generate(["5 + 6 = 11 and"], sp4)
+    finally:
+        del llm.generate  # the bound method again
+    # The requests' params are the generator's own, one per sample, so vLLM skips its deep copy of
+    # each (experiments/bench/request_adding.py); never the caller's object, which vLLM would
+    # otherwise update in place (its stop ids).
+    assert len(sent) == 4 and all(p.skip_clone and p is not sp4 for p in sent)
     assert repr(sp4) == repr(before) and sp4._all_stop_token_ids == before._all_stop_token_ids
     assert not sp4.skip_clone
     one = gen.generate(["5 + 6 = 11 and"], SamplingParams(n=1, max_tokens=6, temperature=1.0, seed=11))
