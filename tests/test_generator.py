@@ -6,7 +6,6 @@ Each check compares the returned rows with Hugging Face's forward on the exact t
 from __future__ import annotations
 
 import copy
-
 import gc
 import os
 
