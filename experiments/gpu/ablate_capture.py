@@ -195,7 +195,7 @@ def main() -> None:
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
     from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, engine_settings, fanout_requests,
-                                           freeze_startup_heap)
+                                           freeze_startup_heap, with_env)
     from experiments.gpu.models import SHAPES, build_model
 
     out = Path(args.out)
@@ -233,14 +233,10 @@ def main() -> None:
         generator_module._physical_memory = physical_memory if placed else (lambda: 0)
         # Both are read in this process at every call: sent with the destination / when it is sent.
         asked = {FILE_WRITES_ENV: "1" if device_writes else "0", SETTLE_PLACEMENT_ENV: "1" if settled else "0"}
-        before = {name: os.environ.get(name) for name in asked}
-        os.environ.update(asked)
         try:
-            r = runner.run(wl)
+            r = with_env(asked, runner.run)(wl)
         finally:
             generator_module._physical_memory = physical_memory
-            for name, value in before.items():
-                os.environ.pop(name) if value is None else os.environ.update({name: value})
         return {"seconds": r.seconds, **r.extra}
 
     def timed(way: Any) -> Any:

@@ -3,7 +3,7 @@
 On the placer path every batch of placed steps goes to pinned memory, then a thread beside the
 engine scatters it into the row file: ~130 MB of host copies per SmolLM2 call at 256 sequences,
 ~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). With
-:data:`FILE_WRITES_ENV` set to ``1`` in the engine's environment, the worker instead registers the
+:data:`FILE_WRITES_ENV` set to ``1`` (see there), the worker instead registers the
 row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them at
 the same address), and at each flush a few kernels on the copy stream compute every row's place,
 ``first + position`` of its slot, and ``index_copy_`` the rows and their token marks into the
@@ -15,8 +15,10 @@ placer, from the rows already in the file.
 
 Not the default: on an H100 the 8B shape ran slower with it (256 sequences 0.933 of plain against
 0.950 with the placer, 64 sequences 0.941 against 0.988, the same host; docs/gpu.md, session 21):
-the scatter kernels write ~0.9 GB per call over PCIe beside a GPU-bound forward, where the placer
-uses host cores that are idle. For the host-bound SmolLM2 shape no host was quiet enough to tell.
+the scatter kernels write ~0.9 GB per call over PCIe and hold the GPU's SMs about as long as they
+run (beside bf16 matmuls, 8 flushes of 8B rows cost 13-16 ms against the copy engine's 2 ms,
+session 22), where the placer uses host cores that are idle. For the host-bound SmolLM2 shape no
+host was quiet enough to tell.
 Registering costs ~0.4 s per GiB (session 17's probe), once per row file (the engine side hands
 its files out again while nobody holds their rows), and pins the whole file; a file is
 unregistered when the engine side lets go of it.
