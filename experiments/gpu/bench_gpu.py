@@ -14,7 +14,8 @@ speed differences (±20% on the lent machines) that the one-process-per-configur
 each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
 ``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
-lent H100 host; with it by ≤ 2.5%); ``--variant NAME`` (repeatable) one more capturing engine built
+lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores differ:
+``--pin together`` puts every engine on the same cores, which take turns as the runs do); ``--variant NAME`` (repeatable) one more capturing engine built
 another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches
 of up to 64 steps).
 
@@ -133,7 +134,7 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
-                 split: bool = False, aux_only: bool = False, aa: bool = False, pin: bool = False,
+                 split: bool = False, aux_only: bool = False, aa: bool = False, pin: str = "",
                  variants: tuple[str, ...] = ()) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
 
@@ -148,8 +149,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     its environment (read in its engine process), run like the shipped one: a change's worth
     measured in the same run.
     Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
-    after a switch of engines. ``pin``: this process and each engine-core process get cores of
-    their own (:class:`CorePinner`), so the engines' threads neither share nor migrate between cores."""
+    after a switch of engines. ``pin`` ("apart"/"together", see :class:`CorePinner`): this process
+    gets cores of its own, and each engine-core process cores of its own or every engine the same
+    other cores, so no engine's threads migrate onto the caller's."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.phases import time_generator_phases, timed
@@ -163,7 +165,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(BATCHES))
     layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants)) if pin else None
+    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants), together=pin == "together") if pin else None
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
     for name, config, captured, env in (
@@ -247,13 +249,15 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
 
 class CorePinner:
     """Gives this process and each engine built after it a share of the cores: ``parts`` engines,
-    one share each, the first share to this process. A measuring aid: with every engine-core
+    one share each, the first share to this process; ``together``: every engine the same share,
+    all the cores but this process's (on hosts whose cores differ in speed, engines on shares of
+    their own differed by up to 16%, session 22). A measuring aid: with every engine-core
     process free to run anywhere, two identical plain engines differed by 5-9% in median time
     at 256 sequences on a lent H100 host (c27b7b3). Shares are whole physical cores: contiguous
     ids can be SMT siblings of another share's (e.g. 0 and 8 of a 16-thread VM), and an engine
     sharing physical cores with the always-busy caller would be measured slower for that alone."""
 
-    def __init__(self, parts: int):
+    def __init__(self, parts: int, together: bool = False):
         import psutil
 
         from experiments.gpu.host_probe import physical_cores
@@ -261,6 +265,9 @@ class CorePinner:
         units = physical_cores(sorted(os.sched_getaffinity(0)))
         size = max(1, len(units) // (parts + 1))
         self.shares = [sorted(c for unit in units[i * size:(i + 1) * size] for c in unit) for i in range(parts + 1)]
+        if together:  # every engine on all the cores but this process's: the runs take turns on them
+            rest = sorted(c for unit in units[size:] for c in unit)
+            self.shares = [self.shares[0]] + [rest] * parts
         self.me = psutil.Process()
         self.known = {p.pid for p in self.me.children(recursive=True)}
         self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}
@@ -521,8 +528,9 @@ def main() -> None:
                     help="--paired: also time the generator's request form, untagged, on both engines")
     ap.add_argument("--aux-only", action="store_true",
                     help="--paired --split: also an engine with the aux outputs but no step listener, untagged")
-    ap.add_argument("--pin", action="store_true",
-                    help="--paired: this process and each engine-core process on cores of their own")
+    ap.add_argument("--pin", nargs="?", const="apart", default="", choices=["apart", "together"],
+                    help="--paired: this process on cores of its own, each engine-core process on cores of "
+                         "its own (apart, the default) or every engine on the same other cores (together)")
     ap.add_argument("--aa", action="store_true",
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
     ap.add_argument("--variant", action="append", default=[], choices=sorted(CAPTURE_VARIANTS),
@@ -539,7 +547,7 @@ def main() -> None:
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
                                    spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
-                                   spec.get("pin", False), tuple(spec.get("variants", ())))
+                                   spec.get("pin") or "", tuple(spec.get("variants", ())))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
