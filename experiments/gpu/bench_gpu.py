@@ -15,7 +15,8 @@ each engine: the request form's price on the plain engine, the aux outputs' on t
 ``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
 lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores differ:
-``--pin together`` puts every engine on the same cores, which take turns as the runs do); ``--variant NAME`` (repeatable) one more capturing engine built
+``--pin together`` puts every engine on the same cores, which take turns as the runs do; ``--pin
+fastest`` probes the cores first and uses the quickest: a host's cores differed up to 2x); ``--variant NAME`` (repeatable) one more capturing engine built
 another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches
 of up to 64 steps).
 
@@ -149,9 +150,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     its environment (read in its engine process), run like the shipped one: a change's worth
     measured in the same run.
     Within each repetition the ways run in a shuffled order (seeded), so no way always runs first
-    after a switch of engines. ``pin`` ("apart"/"together", see :class:`CorePinner`): this process
-    gets cores of its own, and each engine-core process cores of its own or every engine the same
-    other cores, so no engine's threads migrate onto the caller's."""
+    after a switch of engines. ``pin`` (a :class:`CorePinner` mode): this process gets cores of its
+    own, and each engine-core process cores of its own or every engine the same other cores, so no
+    engine's threads migrate onto the caller's."""
     sys.path.insert(0, str(REPO))
     from experiments.bench.engines import Config, Runner
     from experiments.bench.phases import time_generator_phases, timed
@@ -165,7 +166,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(BATCHES))
     layers = captured_layers(n_layers, count)
     big = Workload(max(BATCHES), N, MAX_TOKENS)
-    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants), together=pin == "together") if pin else None
+    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants), pin) if pin else None
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
     for name, config, captured, env in (
@@ -249,25 +250,32 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
 
 class CorePinner:
     """Gives this process and each engine built after it a share of the cores: ``parts`` engines,
-    one share each, the first share to this process; ``together``: every engine the same share,
-    all the cores but this process's (on hosts whose cores differ in speed, engines on shares of
-    their own differed by up to 16%, session 22). A measuring aid: with every engine-core
+    one share each, the first share to this process (``mode="apart"``). On hosts whose cores differ
+    in speed, engines on shares of their own differed by up to 16% (session 22): ``"together"`` gives
+    every engine the same share, all the cores but this process's; ``"fastest"`` probes the cores
+    and gives this process the quickest share and every engine the :data:`FASTEST_SHARE` next. A measuring aid: with every engine-core
     process free to run anywhere, two identical plain engines differed by 5-9% in median time
     at 256 sequences on a lent H100 host (c27b7b3). Shares are whole physical cores: contiguous
     ids can be SMT siblings of another share's (e.g. 0 and 8 of a 16-thread VM), and an engine
     sharing physical cores with the always-busy caller would be measured slower for that alone."""
 
-    def __init__(self, parts: int, together: bool = False):
+    def __init__(self, parts: int, mode: str = "apart"):
         import psutil
 
         from experiments.gpu.host_probe import physical_cores
 
         units = physical_cores(sorted(os.sched_getaffinity(0)))
         size = max(1, len(units) // (parts + 1))
+        if mode == "fastest":  # quickest physical cores first (probed here, ~0.1 s per core)
+            units = fastest_first(units)
         self.shares = [sorted(c for unit in units[i * size:(i + 1) * size] for c in unit) for i in range(parts + 1)]
-        if together:  # every engine on all the cores but this process's: the runs take turns on them
-            rest = sorted(c for unit in units[size:] for c in unit)
-            self.shares = [self.shares[0]] + [rest] * parts
+        if mode == "together":  # every engine on all the cores but this process's: the runs take turns on them
+            self.shares = [self.shares[0]] + [sorted(c for unit in units[size:] for c in unit)] * parts
+        elif mode == "fastest":  # this process on the quickest cores, every engine on the next FASTEST_SHARE
+            self.shares = [self.shares[0]] + [sorted(c for unit in units[size:size + FASTEST_SHARE] for c in unit)] * parts
+        elif mode != "apart":
+            raise ValueError(f"pin mode {mode!r}: expected apart, together or fastest")
+        self.mode = mode
         self.me = psutil.Process()
         self.known = {p.pid for p in self.me.children(recursive=True)}
         self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}
@@ -281,6 +289,21 @@ class CorePinner:
             _pin_threads(pid, share)
         self.known.update(new)
         self.assigned[name] = share
+
+
+#: Physical cores every engine shares in ``--pin fastest`` (an engine-core process keeps one thread
+#: busy and a few more waking per step).
+FASTEST_SHARE = 4
+
+
+def fastest_first(units: list[list[int]]) -> list[list[int]]:
+    """Physical cores ordered by the median time of a fixed workload on their first thread,
+    quickest first: a lent host's cores differed up to 2x (29-62 ms, session 23), and a
+    host-bound engine is as fast as the cores it runs on."""
+    from experiments.gpu.host_probe import core_times
+
+    times = core_times([unit[0] for unit in units], reps=3)
+    return sorted(units, key=lambda unit: sorted(times[unit[0]])[1])
 
 
 def _pin_threads(pid: int, cores: list[int]) -> None:
@@ -528,9 +551,10 @@ def main() -> None:
                     help="--paired: also time the generator's request form, untagged, on both engines")
     ap.add_argument("--aux-only", action="store_true",
                     help="--paired --split: also an engine with the aux outputs but no step listener, untagged")
-    ap.add_argument("--pin", nargs="?", const="apart", default="", choices=["apart", "together"],
+    ap.add_argument("--pin", nargs="?", const="apart", default="", choices=["apart", "together", "fastest"],
                     help="--paired: this process on cores of its own, each engine-core process on cores of "
-                         "its own (apart, the default) or every engine on the same other cores (together)")
+                         "its own (apart, the default), every engine on the same other cores (together), or "
+                         "this process on the quickest cores and every engine on the next quickest (fastest)")
     ap.add_argument("--aa", action="store_true",
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
     ap.add_argument("--variant", action="append", default=[], choices=sorted(CAPTURE_VARIANTS),

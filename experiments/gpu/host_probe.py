@@ -74,6 +74,26 @@ def _clock_mhz() -> list[float]:
         return []
 
 
+def core_times(cores: list[int], reps: int) -> dict[int, list[float]]:
+    """Seconds of ``reps`` runs of the fixed workload on each core, this process pinned to one core
+    at a time (its affinity is restored after)."""
+    allowed = os.sched_getaffinity(0)
+    per_core: dict[int, list[float]] = {}
+    try:
+        for core in cores:
+            os.sched_setaffinity(0, {core})
+            _work(20_000)  # settle on the core
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                _work()
+                times.append(time.perf_counter() - start)
+            per_core[core] = times
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return per_core
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -81,17 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     before, t0 = _stat(), time.time()
-    per_core: dict[int, list[float]] = {}
-    for core in cores:
-        os.sched_setaffinity(0, {core})
-        _work(20_000)  # settle on the core
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            _work()
-            times.append(time.perf_counter() - start)
-        per_core[core] = times
-    os.sched_setaffinity(0, set(cores))
+    per_core = core_times(cores, args.reps)
     after, seconds = _stat(), time.time() - t0
     delta = [b - a for a, b in zip(before, after)]
     total = sum(delta) or 1
