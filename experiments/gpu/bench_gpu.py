@@ -136,8 +136,9 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
                  split: bool = False, aux_only: bool = False, aa: bool = False, pin: str = "",
-                 variants: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Plain vLLM with graphs and capture with graphs built side by side, runs alternated.
+                 variants: tuple[str, ...] = (), batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
+    """Plain vLLM with graphs and capture with graphs built side by side, runs alternated, at
+    ``batches`` (prompts per call).
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
     n=1 request per sample, no capture tags) sent straight to each engine's vLLM: on the plain
@@ -163,9 +164,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         raise RuntimeError("--paired needs vLLM's engine-core processes (VLLM_ENABLE_V1_MULTIPROCESSING=1): "
                            "two in-process engines would share one Python interpreter")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = rendered_prompts(tokenizer, max(BATCHES))
+    prompts = rendered_prompts(tokenizer, max(batches))
     layers = captured_layers(n_layers, count)
-    big = Workload(max(BATCHES), N, MAX_TOKENS)
+    big = Workload(max(batches), N, MAX_TOKENS)
     pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants), pin) if pin else None
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
@@ -197,7 +198,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     freeze_startup_heap()
     result: dict[str, Any] = {"name": "paired", "layers": list(layers), "reps": reps, "batches": {},
                               "pinned_cores": None if pinner is None else pinner.assigned}
-    for b in BATCHES:
+    for b in batches:
         wl = Workload(b, N, MAX_TOKENS)
         extra: dict[str, Any] = {}
         runs = {name: with_env(variant_env.get(name, {}), runner.run) for name, runner in runners.items()}
@@ -378,7 +379,7 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
              f"{res.get('reps', PAIRED_REPS)} of each per batch size after one untimed run of each. Capture's time "
              "includes the rows' fetch and assembly into per-sample tensors. A pair: the two runs of one "
              "repetition." + ("" if not res.get("pinned_cores") else " Cores pinned: " + "; ".join(
-                 f"{k} {v[0]}-{v[-1]}" for k, v in res["pinned_cores"].items()) + "."), "",
+                 f"{k} {','.join(map(str, v))}" for k, v in res["pinned_cores"].items()) + "."), "",
              "| sequences | plain median s | capture median s | throughput capture / plain (medians) "
              "| 95% interval (bootstrap) | (best of each) | pairs: median (min-max) |",
              "|---|---|---|---|---|---|---|"]
@@ -419,10 +420,11 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
         for k in names:
             lines.append(f"| {k} | " + " | ".join(f"{1e3 * r['phase_median_seconds'].get(k, 0.0):.1f}"
                                                   for r in res["batches"].values()) + " |")
-    extras = res["batches"][str(max(BATCHES) * N)]["extra"]
+    largest = max(res["batches"], key=int)
+    extras = res["batches"][largest]["extra"]
     for name in ("ours-graphs", *(f"ours-{v}" for v in CAPTURE_VARIANTS)):
         if name in extras:
-            lines += ["", f"{name} at {max(BATCHES) * N} sequences, last run: " + ", ".join(
+            lines += ["", f"{name} at {largest} sequences, last run: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in extras[name].items())]
     lines.append("")
     return "\n".join(lines) + "\n"
@@ -559,6 +561,9 @@ def main() -> None:
                     help="--paired --split: also a second plain engine, built last (A/A: the ratios' noise floor)")
     ap.add_argument("--variant", action="append", default=[], choices=sorted(CAPTURE_VARIANTS),
                     help="--paired --split: also a capturing engine built this way (repeatable; CAPTURE_VARIANTS)")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
+                    help="--paired: prompts per call (x n=4 samples), e.g. --batches 64 with many --reps: "
+                         "on a noisy host, many adjacent pairs at one size say more than a few at each")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -571,7 +576,8 @@ def main() -> None:
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
                                    spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
-                                   spec.get("pin") or "", tuple(spec.get("variants", ())))
+                                   spec.get("pin") or "", tuple(spec.get("variants", ())),
+                                   tuple(spec.get("batches") or BATCHES))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -596,14 +602,15 @@ def main() -> None:
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
             "tensor_parallel_size": args.tp, "gpus": torch.cuda.device_count(),
             "transparent_huge_pages": huge_pages_setting(),
-            "workload": {"batches_prompts": BATCHES, "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
+            "workload": {"batches_prompts": list(args.batches) if args.paired else list(BATCHES), "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
                          "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
     results = []
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
     if args.paired:
         specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, variants=args.variant)]
+                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, variants=args.variant,
+                      batches=args.batches)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
