@@ -1,5 +1,6 @@
 """The paired GPU bench's interval for a ratio of medians (experiments/gpu/bench_gpu.py): pure
-arithmetic, checked on series whose ratio is known; and the host probe that runs before it."""
+arithmetic, checked on series whose ratio is known; the host probe that runs before it, and the
+core pinning built on the probe."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_cores_are_grouped_by_physical_core_whatever_their_ids():
     smt_adjacent = {c: f"{c - c % 2}-{c - c % 2 + 1}" for c in range(8)}
     assert physical_cores(list(range(8)), smt_adjacent) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert physical_cores([3, 1], {}) == [[1], [3]]  # no topology known: one core each
+
+
+def test_fastest_first_orders_every_physical_core_and_leaves_the_affinity_as_it_was():
+    import os
+
+    from experiments.gpu.bench_gpu import fastest_first
+    from experiments.gpu.host_probe import physical_cores
+
+    allowed = os.sched_getaffinity(0)
+    units = physical_cores(sorted(allowed))
+    ordered = fastest_first(units)
+    assert sorted(ordered) == sorted(units)  # a reordering: no core lost or repeated
+    assert os.sched_getaffinity(0) == allowed  # the probe pinned itself one core at a time, then let go
+
+
+def test_an_unknown_pin_mode_is_refused_before_anything_is_pinned():
+    import os
+
+    from experiments.gpu.bench_gpu import CorePinner
+
+    allowed = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match="pin mode 'spread'"):
+        CorePinner(2, "spread")
+    assert os.sched_getaffinity(0) == allowed
