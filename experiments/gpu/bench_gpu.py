@@ -14,11 +14,12 @@ speed differences (±20% on the lent machines) that the one-process-per-configur
 each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
 ``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
-lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores differ:
-``--pin together`` puts every engine on the same cores, which take turns as the runs do; ``--pin
-fastest`` probes the cores first and uses the quickest: a host's cores differed up to 2x); ``--variant NAME`` (repeatable) one more capturing engine built
-another way (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches
-of up to 64 steps).
+lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores
+differ: ``--pin together`` puts every engine on the same cores, which take turns as the runs do;
+``--pin fastest`` probes the cores first and uses the quickest: a host's cores differed up to 2x);
+``--variant NAME`` (repeatable) one more capturing engine built another way
+(:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches of up to 64
+steps).
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split --aa] --pin ...
@@ -251,32 +252,36 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
 
 class CorePinner:
     """Gives this process and each engine built after it a share of the cores: ``parts`` engines,
-    one share each, the first share to this process (``mode="apart"``). On hosts whose cores differ
-    in speed, engines on shares of their own differed by up to 16% (session 22): ``"together"`` gives
-    every engine the same share, all the cores but this process's; ``"fastest"`` probes the cores
-    and gives this process the quickest share and every engine the :data:`FASTEST_SHARE` next. A measuring aid: with every engine-core
-    process free to run anywhere, two identical plain engines differed by 5-9% in median time
-    at 256 sequences on a lent H100 host (c27b7b3). Shares are whole physical cores: contiguous
-    ids can be SMT siblings of another share's (e.g. 0 and 8 of a 16-thread VM), and an engine
-    sharing physical cores with the always-busy caller would be measured slower for that alone."""
+    the first share to this process. A measuring aid: with every engine-core process free to run
+    anywhere, two identical plain engines differed by 5-9% in median time at 256 sequences on a
+    lent H100 host (c27b7b3). Shares are whole physical cores: contiguous ids can be SMT siblings of
+    another share's (e.g. 0 and 8 of a 16-thread VM), and an engine sharing physical cores with the
+    always-busy caller would be measured slower for that alone.
+
+    ``mode``: ``"apart"``, one share per engine; on hosts whose cores differ in speed those
+    engines differed by up to 16% (session 22), so ``"together"`` gives every engine the same
+    share, all the cores but this process's, and ``"fastest"`` probes the cores, gives this
+    process the quickest share and every engine the :data:`FASTEST_SHARE` next."""
 
     def __init__(self, parts: int, mode: str = "apart"):
         import psutil
 
         from experiments.gpu.host_probe import physical_cores
 
+        if mode not in ("apart", "together", "fastest"):
+            raise ValueError(f"pin mode {mode!r}: expected apart, together or fastest")
         units = physical_cores(sorted(os.sched_getaffinity(0)))
         size = max(1, len(units) // (parts + 1))
         if mode == "fastest":  # quickest physical cores first (probed here, ~0.1 s per core)
             units = fastest_first(units)
-        self.shares = [sorted(c for unit in units[i * size:(i + 1) * size] for c in unit) for i in range(parts + 1)]
-        if mode == "together":  # every engine on all the cores but this process's: the runs take turns on them
-            self.shares = [self.shares[0]] + [sorted(c for unit in units[size:] for c in unit)] * parts
-        elif mode == "fastest":  # this process on the quickest cores, every engine on the next FASTEST_SHARE
-            self.shares = [self.shares[0]] + [sorted(c for unit in units[size:size + FASTEST_SHARE] for c in unit)] * parts
-        elif mode != "apart":
-            raise ValueError(f"pin mode {mode!r}: expected apart, together or fastest")
-        self.mode = mode
+
+        def cores(first: int, end: int) -> list[int]:
+            return sorted(c for unit in units[first:end] for c in unit)
+
+        engines = {"apart": [cores((i + 1) * size, (i + 2) * size) for i in range(parts)],
+                   "together": [cores(size, len(units))] * parts,  # the runs take turns on them
+                   "fastest": [cores(size, size + FASTEST_SHARE)] * parts}[mode]
+        self.shares = [cores(0, size)] + engines
         self.me = psutil.Process()
         self.known = {p.pid for p in self.me.children(recursive=True)}
         self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}
@@ -304,7 +309,7 @@ def fastest_first(units: list[list[int]]) -> list[list[int]]:
     from experiments.gpu.host_probe import core_times
 
     times = core_times([unit[0] for unit in units], reps=3)
-    return sorted(units, key=lambda unit: sorted(times[unit[0]])[1])
+    return sorted(units, key=lambda unit: float(np.median(times[unit[0]])))
 
 
 def _pin_threads(pid: int, cores: list[int]) -> None:
@@ -602,8 +607,8 @@ def main() -> None:
             "commit": commit, "command": " ".join(["python -m experiments.gpu.bench_gpu", *sys.argv[1:]]),
             "tensor_parallel_size": args.tp, "gpus": torch.cuda.device_count(),
             "transparent_huge_pages": huge_pages_setting(),
-            "workload": {"batches_prompts": list(args.batches) if args.paired else list(BATCHES), "n": N, "max_tokens": MAX_TOKENS, "reps": REPS,
-                         "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
+            "workload": {"batches_prompts": list(args.batches) if args.paired else list(BATCHES), "n": N,
+                         "max_tokens": MAX_TOKENS, "reps": REPS, "dtype": "bfloat16", "capture_dtype": "bfloat16"}}
     results = []
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
