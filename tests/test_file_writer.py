@@ -3,10 +3,13 @@ scatter a GPU runs, checked against the host placer (placer.place_step), which i
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 
+from uhead_vllm.capture import scatter_kernel
 from uhead_vllm.capture.file_writer import FILE_WRITES_ENV, FileWriter, RegisteredFiles
 from uhead_vllm.capture.placer import ChunkSlots, place_step, share_written_rows
 from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file_views
@@ -43,6 +46,18 @@ def test_rows_past_their_slot_go_to_scratch_and_the_last_row_for_a_place_wins():
     assert dest.tokens.tolist() == [100, 103, -1, 105, -1, -1]
 
 
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """The GPU scatter kernel (scatter_kernel.py) run by Triton's interpreter on CPU tensors."""
+    if scatter_kernel.triton is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(scatter_kernel)
+    yield
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(scatter_kernel)
+
+
 @pytest.mark.parametrize("columns, hidden_size, dtype, word, misaligned", [
     (2, 3, "float32", torch.int64, False),  # 24-byte rows: 8-byte words
     (1, 3, "float32", torch.int32, False),  # 12-byte rows
@@ -53,6 +68,21 @@ def test_the_file_writer_puts_every_row_where_the_placer_does(columns, hidden_si
     """Random batches (several steps joined: prompt chunks, decode rows, positions forwarded twice,
     rows past a slot, rows of no slot) into slots with nested prefix groups: rows and marks equal
     the host placer's, bit for bit, whatever words the rows are copied as."""
+    writes_like_the_placer(columns, hidden_size, dtype, word, misaligned)
+
+
+@pytest.mark.parametrize("columns, hidden_size, dtype, word", [(2, 3, "float32", torch.int64),
+                                                               (1, 3, "bfloat16", torch.int16)])
+def test_the_scatter_kernel_puts_every_row_where_the_placer_does(interpreted_kernel, columns, hidden_size, dtype,
+                                                                  word):
+    """The same with the rows and marks written by the GPU's kernel (a few programs each walking
+    rows), as Triton's interpreter runs it."""
+    writes_like_the_placer(columns, hidden_size, dtype, word, False, kernel=True, batches=12)
+
+
+def writes_like_the_placer(columns: int, hidden_size: int, dtype: str, word: torch.dtype, misaligned: bool,
+                           kernel: bool = False, batches: int = 40) -> None:
+    """Random batches into a row file and into the placer's destination: the same rows and marks."""
     rng, values_rng = np.random.default_rng(0), np.random.default_rng(1)  # batches, rows
     tags = list(range(6))
     slots = {t: (10 * t, 10) for t in tags}
@@ -60,9 +90,14 @@ def test_the_file_writer_puts_every_row_where_the_placer_does(columns, hidden_si
     shape, torch_dtype = (SHAPE[0], columns, hidden_size), getattr(torch, dtype)
     dest, writer, _ = file_destination(slots, groups, shape, dtype)
     assert writer.word == word
+    writer.kernel = kernel  # on CPU tensors only where the interpreter runs it
+    calls = []
+    if kernel:
+        original = scatter_kernel.scatter_rows
+        scatter_kernel.scatter_rows = lambda *args: calls.append(1) or original(*args)
     reference = RowDestination(torch.zeros(shape, dtype=torch_dtype), dict(slots), list(groups))
     reference.tokens.fill_(-1)
-    for _ in range(40):
+    for _ in range(batches):
         firsts, caps, lens, group_rows, positions = [], [], [], [], []
         for _ in range(int(rng.integers(1, 6))):
             tag = int(rng.integers(-1, len(tags)))
@@ -80,7 +115,10 @@ def test_the_file_writer_puts_every_row_where_the_placer_does(columns, hidden_si
         chunks = ChunkSlots(*(np.asarray(x, dtype=np.int64) for x in (firsts, caps, lens, group_rows)))
         place_step(reference, hidden, meta, chunks)
         write(dest, writer, hidden, meta, chunks)
-    assert (reference.tokens >= 0).sum() > 40 and (reference.tokens < -1).sum() > 2  # own and shared rows
+    if kernel:
+        scatter_kernel.scatter_rows = original
+        assert len(calls) == batches
+    assert (reference.tokens >= 0).sum() > batches and (reference.tokens < -1).sum() > 2  # own and shared rows
     assert torch.equal(dest.tokens, reference.tokens)
     assert torch.equal(dest.buffer, reference.buffer)
 

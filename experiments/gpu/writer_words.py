@@ -7,8 +7,9 @@ For a flush of each shape's rows (SmolLM2's 3 x 576 bf16 columns, an 8B model's 
 4096 rows to random places of a registered ``/dev/shm`` file, as the worker registers its row
 files) this times, with CUDA events on a side stream (medians):
 
-- the writer with bytes and with its widest word, and the copy engine moving the same bytes to
-  pinned memory (what the placer path starts with), checking that the rows arrive;
+- the writer with bytes and with its widest word (torch's ``index_copy_`` over the whole GPU), its
+  Triton kernel on a few programs (:data:`KERNEL_PROGRAMS`), and the copy engine moving the same
+  bytes to pinned memory (what the placer path starts with), checking that the rows arrive;
 - a chain of bf16 matmuls on the main stream (a GPU-bound forward stand-in) alone and with eight
   writer flushes (or eight copy-engine copies) queued beside it on the side stream.
 
@@ -33,6 +34,8 @@ from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
 from uhead_vllm.capture.protocol import destination_nbytes, file_views
 
 SHAPES = {"smollm2": (3, 576), "llama8b": (3, 4096)}
+#: Program counts of the scatter kernel (scatter_kernel.py) measured beside index_copy_'s whole GPU.
+KERNEL_PROGRAMS = (4, 8, 16, 32, 132)
 FILE_ROWS = 40_000  # a 256-sequence call's rows, rounded up
 REPS = 20
 
@@ -106,7 +109,9 @@ def main() -> None:
         widest = registered.writer(name, flat, shape, "bfloat16", device, asked=True)
         if widest is None:
             raise RuntimeError("the file could not be registered")
-        writers = {"bytes": FileWriter(widest.byte_rows, widest.marks, torch.uint8), "widest": widest}
+        writers = {"bytes": FileWriter(widest.byte_rows, widest.marks, torch.uint8, programs=0),
+                   "widest": FileWriter(widest.byte_rows, widest.marks, programs=0),
+                   **{f"kernel{p}": FileWriter(widest.byte_rows, widest.marks, programs=p) for p in KERNEL_PROGRAMS}}
         host_rows, _ = file_views(flat, shape, "bfloat16")
         for n in (256, 4096):
             hidden = torch.randn(n, columns, width, dtype=torch.bfloat16, device=device)
@@ -123,6 +128,7 @@ def main() -> None:
                 arrived = host_rows[places.cpu()].view(torch.bfloat16).view(n, columns, width)
                 row[f"writer_{word}_rows_arrived"] = bool(torch.equal(arrived, hidden.cpu()))
                 row[f"writer_{word}_word"] = str(writer.word)
+                row[f"writer_{word}_kernel"] = writer.kernel
                 if n == 4096:
                     row[f"matmuls_beside_8_writer_{word}_ms"] = beside(
                         matmuls, lambda: writer.write(hidden, meta, first, capacity), side)

@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from . import scatter_kernel
 from .protocol import file_views
 
 #: ``1``: the device writes the row files (on CPU the same torch scatter, which the tests run on
@@ -55,7 +56,8 @@ _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 class FileWriter:
     """Scatters batches of rows into one row file's rows and token marks (device-visible views)."""
 
-    def __init__(self, byte_rows: torch.Tensor, marks: torch.Tensor, word: torch.dtype | None = None):
+    def __init__(self, byte_rows: torch.Tensor, marks: torch.Tensor, word: torch.dtype | None = None,
+                 programs: int | None = None):
         self.byte_rows, self.marks = byte_rows, marks  # [rows + 1, bytes per row] uint8, [rows + 1] int32
         self.scratch = byte_rows.shape[0] - 1
         # Rows are copied as the widest words that tile them (``word``: a narrower one, to compare):
@@ -63,6 +65,10 @@ class FileWriter:
         self.word = _widest_word(byte_rows) if word is None else word
         self.rows = byte_rows.view(self.word)
         self._last: torch.Tensor | None = None  # per place, the last row bound for it
+        # On a GPU with Triton the rows and marks go in one kernel on a few SMs (scatter_kernel.py);
+        # ``programs=0``: torch's index_copy_ over the whole GPU (to compare).
+        self.programs = scatter_kernel.PROGRAMS if programs is None else programs
+        self.kernel = bool(self.programs) and scatter_kernel.available(byte_rows.device)
 
     def write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
         """Rows ``hidden`` [R, C, H] with ``meta`` [2, R] (positions, token ids) into their slots:
@@ -86,6 +92,14 @@ class FileWriter:
         pos = meta[0]
         index = torch.where((pos >= 0) & (pos < capacity), first + pos, self.scratch)
         index = self._last_wins(index)
+        if self.kernel and rows is self.rows:
+            try:
+                scatter_kernel.scatter_rows(rows, index, flat, self.marks, meta[1], self.programs)
+                return
+            except Exception as exc:  # noqa: BLE001  (e.g. Triton cannot compile it here: index_copy_ from now on)
+                self.kernel = False
+                warnings.warn(f"uhead_vllm: the row file is written with index_copy_, the scatter kernel failed: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
         rows.index_copy_(0, index, flat)
         self.marks.index_copy_(0, index, meta[1].to(torch.int32))
 

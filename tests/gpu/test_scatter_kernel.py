@@ -1,0 +1,70 @@
+"""The row-file writer on a GPU, its Triton kernel (capture/scatter_kernel.py) and torch's
+``index_copy_``, write what the host would: each place's last row and its token, rows past a slot
+to scratch. Skipped where no GPU is present (CI runs the kernel in Triton's interpreter instead,
+tests/test_file_writer.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def shared_file(nbytes: int) -> torch.Tensor:
+    """An unlinked ``/dev/shm`` file, mapped as a uint8 tensor (as the worker maps a row file)."""
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="uhead-test-")
+    try:
+        os.ftruncate(fd, nbytes)
+        memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("programs", [16, 0])  # the kernel; index_copy_
+def test_the_device_writes_each_places_last_row_and_token_into_the_registered_file(programs):
+    from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
+    from uhead_vllm.capture.protocol import destination_nbytes, file_views
+
+    shape, dtype = (5000, 3, 576), "bfloat16"
+    flat = shared_file(destination_nbytes(shape, dtype))
+    files = RegisteredFiles()
+    device = torch.device("cuda")
+    registered = files.writer("test", flat, shape, dtype, device, asked=True)
+    assert registered is not None and registered.word == torch.int64
+    writer = FileWriter(registered.byte_rows, registered.marks, programs=programs)
+    assert writer.kernel == bool(programs)
+    host_rows, host_marks = file_views(flat, shape, dtype)
+    host_marks.fill_(-1)
+    rng = np.random.default_rng(0)
+    n = 4096
+    positions = torch.from_numpy(rng.integers(0, 1300, n))  # repeats: the same place forwarded again
+    first = torch.from_numpy(rng.choice([0, 1300, 2600, -1], n))  # -1 with capacity 0: a row of no slot
+    capacity = torch.where(first >= 0, 1200, 0)  # positions 1200+ lie past their slot
+    tokens = torch.from_numpy(rng.integers(0, 50_000, n))
+    hidden = torch.randn((n, 3, 576), dtype=torch.bfloat16, device=device)
+    meta = torch.stack([positions, tokens]).to(device)
+    writer.write(hidden, meta, first.to(device), capacity.to(device))
+    torch.cuda.synchronize()
+
+    expected_rows = torch.zeros_like(host_rows[: shape[0]])
+    expected_marks = torch.full((shape[0],), -1, dtype=torch.int32)
+    rows_bytes = hidden.cpu().view(n, -1).view(torch.uint8)
+    written = 0
+    for r in range(n):  # in order: the last row for a place wins
+        p, f, c = int(positions[r]), int(first[r]), int(capacity[r])
+        if f >= 0 and p < c:
+            expected_rows[f + p] = rows_bytes[r]
+            expected_marks[f + p] = int(tokens[r])
+            written += 1
+    assert written > 3000 and (expected_marks >= 0).sum() < written  # some places were written twice
+    assert torch.equal(host_marks[: shape[0]], expected_marks)
+    assert torch.equal(host_rows[: shape[0]], expected_rows)
+    files.keep_only(set())
