@@ -75,8 +75,8 @@ def test_the_file_writer_puts_every_row_where_the_placer_does(columns, hidden_si
                                                                (1, 3, "bfloat16", torch.int16)])
 def test_the_scatter_kernel_puts_every_row_where_the_placer_does(interpreted_kernel, columns, hidden_size, dtype,
                                                                   word):
-    """The same with the rows and marks written by the GPU's kernel (a few programs each walking
-    rows), as Triton's interpreter runs it."""
+    """The same with the rows and marks written by the GPU's kernels (places claimed, then a few
+    programs each walking tiles of rows), as Triton's interpreter runs them."""
     writes_like_the_placer(columns, hidden_size, dtype, word, False, kernel=True, batches=12)
 
 

@@ -28,7 +28,7 @@ def shared_file(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(memory, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("programs", [16, 0])  # the kernel; index_copy_
+@pytest.mark.parametrize("programs", [8, 0])  # the kernel; index_copy_
 def test_the_device_writes_each_places_last_row_and_token_into_the_registered_file(programs):
     from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
     from uhead_vllm.capture.protocol import destination_nbytes, file_views
@@ -44,27 +44,27 @@ def test_the_device_writes_each_places_last_row_and_token_into_the_registered_fi
     host_rows, host_marks = file_views(flat, shape, dtype)
     host_marks.fill_(-1)
     rng = np.random.default_rng(0)
-    n = 4096
-    positions = torch.from_numpy(rng.integers(0, 1300, n))  # repeats: the same place forwarded again
-    first = torch.from_numpy(rng.choice([0, 1300, 2600, -1], n))  # -1 with capacity 0: a row of no slot
-    capacity = torch.where(first >= 0, 1200, 0)  # positions 1200+ lie past their slot
-    tokens = torch.from_numpy(rng.integers(0, 50_000, n))
-    hidden = torch.randn((n, 3, 576), dtype=torch.bfloat16, device=device)
-    meta = torch.stack([positions, tokens]).to(device)
-    writer.write(hidden, meta, first.to(device), capacity.to(device))
-    torch.cuda.synchronize()
-
     expected_rows = torch.zeros_like(host_rows[: shape[0]])
     expected_marks = torch.full((shape[0],), -1, dtype=torch.int32)
-    rows_bytes = hidden.cpu().view(n, -1).view(torch.uint8)
-    written = 0
-    for r in range(n):  # in order: the last row for a place wins
-        p, f, c = int(positions[r]), int(first[r]), int(capacity[r])
-        if f >= 0 and p < c:
-            expected_rows[f + p] = rows_bytes[r]
-            expected_marks[f + p] = int(tokens[r])
-            written += 1
-    assert written > 3000 and (expected_marks >= 0).sum() < written  # some places were written twice
+    for n in (4096, 700):  # two flushes: the second's rows replace the first's at the places they share
+        positions = torch.from_numpy(rng.integers(0, 1300, n))  # repeats: the same place forwarded again
+        first = torch.from_numpy(rng.choice([0, 1300, 2600, -1], n))  # -1 with capacity 0: a row of no slot
+        capacity = torch.where(first >= 0, 1200, 0)  # positions 1200+ lie past their slot
+        tokens = torch.from_numpy(rng.integers(0, 50_000, n))
+        hidden = torch.randn((n, 3, 576), dtype=torch.bfloat16, device=device)
+        meta = torch.stack([positions, tokens]).to(device)
+        writer.write(hidden, meta, first.to(device), capacity.to(device))
+        rows_bytes = hidden.cpu().view(n, -1).view(torch.uint8)
+        written = 0
+        for r in range(n):  # in order: the last row for a place wins
+            p, f, c = int(positions[r]), int(first[r]), int(capacity[r])
+            if f >= 0 and p < c:
+                expected_rows[f + p] = rows_bytes[r]
+                expected_marks[f + p] = int(tokens[r])
+                written += 1
+        assert written > 0.6 * n
+    assert (expected_marks >= 0).sum() < 2500  # places written twice, within and across the flushes
+    torch.cuda.synchronize()
     assert torch.equal(host_marks[: shape[0]], expected_marks)
     assert torch.equal(host_rows[: shape[0]], expected_rows)
     files.keep_only(set())

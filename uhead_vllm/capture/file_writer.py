@@ -65,10 +65,12 @@ class FileWriter:
         self.word = _widest_word(byte_rows) if word is None else word
         self.rows = byte_rows.view(self.word)
         self._last: torch.Tensor | None = None  # per place, the last row bound for it
-        # On a GPU with Triton the rows and marks go in one kernel on a few SMs (scatter_kernel.py);
-        # ``programs=0``: torch's index_copy_ over the whole GPU (to compare).
+        # On a GPU with Triton two kernel launches write a flush, its rows on a few SMs
+        # (scatter_kernel.py); ``programs=0``: torch's ops, index_copy_ over the whole GPU (to compare).
         self.programs = scatter_kernel.PROGRAMS if programs is None else programs
         self.kernel = bool(self.programs) and scatter_kernel.available(byte_rows.device)
+        self._claims: torch.Tensor | None = None  # the kernels' table: per place, the stamp of its last row
+        self._flushes = 0  # writes through the kernels so far (their stamps)
 
     def write(self, hidden: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> None:
         """Rows ``hidden`` [R, C, H] with ``meta`` [2, R] (positions, token ids) into their slots:
@@ -89,19 +91,29 @@ class FileWriter:
             flat = flat.view(self.word)
         else:  # rows at an offset the words do not divide: bytes, as the file sees them
             rows = self.byte_rows
+        if self.kernel and rows is self.rows and self._kernel_write(flat, meta, first, capacity):
+            return
         pos = meta[0]
         index = torch.where((pos >= 0) & (pos < capacity), first + pos, self.scratch)
         index = self._last_wins(index)
-        if self.kernel and rows is self.rows:
-            try:
-                scatter_kernel.scatter_rows(rows, index, flat, self.marks, meta[1], self.programs)
-                return
-            except Exception as exc:  # noqa: BLE001  (e.g. Triton cannot compile it here: index_copy_ from now on)
-                self.kernel = False
-                warnings.warn(f"uhead_vllm: the row file is written with index_copy_, the scatter kernel failed: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
         rows.index_copy_(0, index, flat)
         self.marks.index_copy_(0, index, meta[1].to(torch.int32))
+
+    def _kernel_write(self, flat: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> bool:
+        """The rows written by the scatter kernels (scatter_kernel.py); False where they failed (e.g.
+        Triton cannot compile them here: torch's ops from now on, nothing was written)."""
+        if self._claims is None:
+            self._claims = torch.zeros(self.scratch + 1, dtype=torch.int64, device=flat.device)
+        self._flushes += 1
+        try:
+            scatter_kernel.scatter_rows(self.rows, flat, self.marks, meta[0], meta[1], first, capacity, self._claims,
+                                        self._flushes, self.programs)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.kernel = False
+            warnings.warn(f"uhead_vllm: the row file is written with torch's ops, the scatter kernels failed: "
+                          f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=4)
+            return False
 
     def _last_wins(self, index: torch.Tensor) -> torch.Tensor:
         """``index`` with every row but the last bound for a place sent to scratch."""
