@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from uhead_vllm.capture import scatter_kernel
+from uhead_vllm.capture import file_writer, scatter_kernel
 from uhead_vllm.capture.file_writer import FILE_WRITES_ENV, FileWriter, RegisteredFiles
 from uhead_vllm.capture.placer import ChunkSlots, place_step, share_written_rows
 from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file_views
@@ -91,6 +91,10 @@ def writes_like_the_placer(columns: int, hidden_size: int, dtype: str, word: tor
     dest, writer, _ = file_destination(slots, groups, shape, dtype)
     assert writer.word == word
     writer.kernel = kernel  # on CPU tensors only where the interpreter runs it
+    if kernel:  # as the worker does when it makes the writer: compiles, writes nothing
+        file_writer._WARMED.clear()
+        writer.warm_up()
+        assert file_writer._WARMED and writer._flushes == 1
     calls = []
     if kernel:
         original = scatter_kernel.scatter_rows

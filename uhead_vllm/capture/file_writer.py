@@ -51,6 +51,7 @@ def device_writes_asked() -> bool | None:
 
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
+_WARMED: set[tuple[int, torch.dtype]] = set()  # (words per row, word) the scatter kernels were compiled for
 
 
 class FileWriter:
@@ -98,6 +99,20 @@ class FileWriter:
         index = self._last_wins(index)
         rows.index_copy_(0, index, flat)
         self.marks.index_copy_(0, index, meta[1].to(torch.int32))
+
+    def warm_up(self) -> None:
+        """Compile the scatter kernels for this file's row width now (the engine side's
+        ``place_into``), not at a generation's first flush; once per width and process. Writes
+        nothing: its one row has no slot."""
+        key = (self.rows.shape[1], self.rows.dtype)
+        if not self.kernel or key in _WARMED:
+            return
+        device = self.rows.device
+        with torch.inference_mode():
+            no_slot = torch.tensor([-1], dtype=torch.int64, device=device)
+            self._kernel_write(torch.zeros((1, key[0]), dtype=key[1], device=device),
+                               torch.tensor([[-1], [0]], dtype=torch.int64, device=device), no_slot, no_slot + 1)
+        _WARMED.add(key)
 
     def _kernel_write(self, flat: torch.Tensor, meta: torch.Tensor, first: torch.Tensor, capacity: torch.Tensor) -> bool:
         """The rows written by the scatter kernels (scatter_kernel.py); False where they failed (e.g.
@@ -159,7 +174,9 @@ class RegisteredFiles:
             if view is None:
                 return None
             self._registered[key] = (flat, view)
-        return FileWriter(*file_views(self._registered[key][1], shape, dtype))
+        writer = FileWriter(*file_views(self._registered[key][1], shape, dtype))
+        writer.warm_up()
+        return writer
 
     def keep_only(self, keys: set[str]) -> None:
         """Forget the files the engine side let go of (their device writes are done: the rows
