@@ -193,3 +193,29 @@ def test_a_writer_first_used_in_inference_mode_writes_outside_it_too():
         writer.write(rows, meta, *places)
     writer.write(2 * rows, meta + torch.tensor([[2], [0]]), *places)
     assert dest.tokens[:5].tolist() == [5, 6, 5, 6, -1] and float(dest.buffer[:4].sum()) == 2 * 6 + 4 * 6
+
+
+def test_each_way_keeps_its_batcher_and_the_devices_buffers_are_larger():
+    """Calls alternating who writes the rows reuse their way's step batcher (its buffers and step
+    graphs); the device's way batches more rows (each flush costs the engine's thread launches)."""
+    from uhead_vllm.adapters import ScheduledStep, StepOutputs
+    from uhead_vllm.capture import step_batch
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.recorder import RowRecorder
+
+    rec = RowRecorder(CaptureSettings(layers=(0, 1), dtype="float32"), aux_layers=(0, 1), hidden_size=3)
+    seen = {}
+    for call, writes in enumerate([False, True, False, True]):
+        dest, writer, _ = file_destination({call: (0, 10)})
+        rec.place_into(dest, writer if writes else None)
+        rec.on_schedule(ScheduledStep([(f"r{call}", RequestTag(call, 0).to_extra_args())], {f"r{call}": 4}, set()))
+        aux = [torch.arange(12, dtype=torch.float32).view(4, 3) + 100 * j + call for j in range(2)]
+        rec.on_forward(StepOutputs([f"r{call}"], np.array([0, 4], dtype=np.int32), torch.arange(4),
+                                   torch.arange(4) + 7, aux))
+        rows = rec.take()
+        assert rows.error is None and rows.stats["rows_written_on_device"] == (4 if writes else 0)
+        assert torch.equal(dest.buffer[:4], torch.stack(aux, dim=1))
+        assert seen.setdefault(writes, rec._batcher) is rec._batcher
+    row_bytes = 2 * 3 * 4
+    assert seen[False].capacity == step_batch.BUFFER_BYTES // row_bytes
+    assert seen[True].capacity == step_batch.WRITER_BUFFER_BYTES // row_bytes

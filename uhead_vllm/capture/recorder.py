@@ -32,7 +32,7 @@ from ..adapters import ScheduledStep, StepOutputs
 from .file_writer import FileWriter
 from .placer import ChunkSlots, Placer
 from .staging import PinnedArena, PinnedRing
-from .step_batch import StepBatcher
+from .step_batch import WRITER_BUFFER_BYTES, StepBatcher
 from .protocol import CapturedRows, CaptureSettings, RequestTag, RowDestination, empty_rows
 
 
@@ -140,6 +140,7 @@ class RowRecorder:
     _writer: FileWriter | None = None  # the destination's row file as the device writes it (or None)
     _placer: Placer = field(default_factory=Placer)
     _batcher: StepBatcher | None = None  # placed steps' rows on their way to the host, a batch at a time
+    _batchers: dict[bool, StepBatcher] = field(default_factory=dict)  # by whether the device writes the rows
     _staging: PinnedRing | None = None  # pinned memory for steps on their way to the placer (GPU)
     _arena: PinnedArena | None = None  # pinned memory for the metadata of placed steps (GPU)
 
@@ -245,7 +246,9 @@ class RowRecorder:
         runs = layout.runs
         if self.destination is not None:
             if self._batcher is None:
-                self._batcher = StepBatcher(self.settings.num_columns, self.hidden_size, dtype, self._ship)
+                writes = self._writer is not None
+                self._batcher = self._batchers[writes] = StepBatcher(
+                    self.settings.num_columns, self.hidden_size, dtype, self._ship, WRITER_BUFFER_BYTES if writes else None)
             if self._batcher.fits(n_rows):
                 self._batcher.add(layout.slots, picked, positions, step.input_ids, runs, n_rows)
             else:  # larger than a batch buffer (a long prefill): shipped on its own, after the batch
@@ -396,12 +399,14 @@ class RowRecorder:
     def place_into(self, destination: RowDestination | None, writer: FileWriter | None = None) -> None:
         """Write the rows of the coming generation into ``destination`` (until the next ``take``);
         with ``writer`` (the destination's row file as the device sees it) the device writes them."""
-        if self.steps or self.rows_placed or (self._batcher is not None and self._batcher.pending):
+        if self.steps or self.rows_placed or any(b.pending for b in self._batchers.values()):
             raise RuntimeError("rows of an earlier generation are still held: take them first")
         if writer is not None and destination is None:
             raise ValueError("a file writer needs the destination it writes")
         self.destination, self._writer = destination, writer
         self._batch = None  # its slots are the destination's
+        # Each way keeps its batcher (buffers and step graphs), so calls alternating ways stay warm.
+        self._batcher = self._batchers.get(writer is not None)
 
     def take(self) -> CapturedRows:
         """Hand over everything recorded so far and start afresh."""

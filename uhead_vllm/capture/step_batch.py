@@ -27,6 +27,10 @@ from .step_graphs import StepGraphs
 #: shape in bf16, 2 of an 8B model's (larger batches took the pinned staging ring's room faster than
 #: the placer freed it: 8 ms pinned allocations instead, bench_recorder). Larger steps go alone.
 BUFFER_BYTES = 16 << 20
+#: The same when the device writes the row file (file_writer.py): no staging ring to outrun, and
+#: each flush costs the engine's thread its launches, which the 8B shape paid 64 times a call at
+#: 16 MiB (two steps of 256 sequences; 10 fit here).
+WRITER_BUFFER_BYTES = 64 << 20
 #: A batch is sent once it holds this many rows: bounds the rows the placer still has to place
 #: when the generation ends (SmolLM2's shape: ~14 MB, a few ms). It binds when steps have more than
 #: 256 rows (16 steps of 256 reach it).
@@ -79,10 +83,10 @@ class _Buffer:
 class StepBatcher:
     """Accumulates steps (each a few row runs of the forward's outputs) until a flush."""
 
-    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, ship: Ship) -> None:
+    def __init__(self, columns: int, hidden: int, dtype: torch.dtype, ship: Ship, buffer_bytes: int | None = None) -> None:
         self.columns, self.hidden, self.dtype = columns, hidden, dtype
         self.ship = ship
-        self.capacity = max(1, BUFFER_BYTES // (columns * hidden * dtype.itemsize))
+        self.capacity = max(1, (buffer_bytes or BUFFER_BYTES) // (columns * hidden * dtype.itemsize))
         self.max_steps, self.flush_rows = _batch_limits()
         self._buffers: list[_Buffer] = []
         self._active = 0
