@@ -134,12 +134,15 @@ def test_a_writer_refuses_rows_of_another_width():
                      torch.ones(2, dtype=torch.int64))
 
 
-def test_the_worker_writes_row_files_itself_only_when_asked(monkeypatch):
+def test_the_worker_writes_row_files_itself_where_its_kernels_run_or_when_asked(monkeypatch):
     _, _, flat = file_destination({1: (0, 4)})
     files = RegisteredFiles()
     cpu = torch.device("cpu")
     monkeypatch.delenv(FILE_WRITES_ENV, raising=False)
-    assert files.writer("k", flat, SHAPE, "float32", cpu) is None  # the host placer by default
+    assert files.writer("k", flat, SHAPE, "float32", cpu) is None  # the placer by default where the kernels cannot run
+    monkeypatch.setattr(scatter_kernel, "available", lambda device: True)
+    assert files.writer("k", flat, SHAPE, "float32", cpu) is not None  # the device by default where they can
+    monkeypatch.undo()
     monkeypatch.setenv(FILE_WRITES_ENV, "0")
     assert files.writer("k", flat, SHAPE, "float32", cpu) is None
     monkeypatch.setenv(FILE_WRITES_ENV, "1")

@@ -349,6 +349,7 @@ CAPTURE_VARIANTS = {
     "placed-at-drain": ({PLACE_AT_DRAIN_ENV: "1"}, "capture, rows placed at the fetch (no placer thread during the pass)"),
     "batch-64-steps": ({STEP_BATCH_ENV: "64,4096"}, "capture, batches of 64 steps or 4096 rows"),
     "file-writer": ({FILE_WRITES_ENV: "1"}, "capture, rows written into the row file by the GPU (file_writer.py)"),
+    "host-placer": ({FILE_WRITES_ENV: "0"}, "capture, rows placed by the host's placer thread (placer.py)"),
     "settled-placement": ({SETTLE_PLACEMENT_ENV: "1"},
                           "capture, the requests sent once the worker answered place_into"),
 }

