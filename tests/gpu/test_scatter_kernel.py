@@ -1,13 +1,9 @@
-"""The row-file writer on a GPU, its Triton kernel (capture/scatter_kernel.py) and torch's
-``index_copy_``, write what the host would: each place's last row and its token, rows past a slot
-to scratch. Skipped where no GPU is present (CI runs the kernel in Triton's interpreter instead,
+"""The row-file writer on a GPU, its Triton kernels (capture/scatter_kernel.py) and torch's ops,
+write what the host would: each place's last row and its token, nothing of rows past their slot or
+of no slot. Skipped where no GPU is present (CI runs the kernels in Triton's interpreter instead,
 tests/test_file_writer.py)."""
 
 from __future__ import annotations
-
-import mmap
-import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -16,20 +12,9 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def shared_file(nbytes: int) -> torch.Tensor:
-    """An unlinked ``/dev/shm`` file, mapped as a uint8 tensor (as the worker maps a row file)."""
-    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="uhead-test-")
-    try:
-        os.ftruncate(fd, nbytes)
-        memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return torch.frombuffer(memory, dtype=torch.uint8)
-
-
 @pytest.mark.parametrize("programs", [8, 0])  # the kernel; index_copy_
 def test_the_device_writes_each_places_last_row_and_token_into_the_registered_file(programs):
+    from experiments.gpu.writer_words import shared_file  # a /dev/shm file, mapped as the worker maps row files
     from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
     from uhead_vllm.capture.protocol import destination_nbytes, file_views
 
