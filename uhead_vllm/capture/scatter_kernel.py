@@ -3,8 +3,8 @@
 Writing a flush into the registered row file is PCIe-bound: an 8B model's 4,096 rows (100 MB) take
 ~2.3 ms however they are written. ``index_copy_`` spreads that over every SM, and each of its
 blocks holds its SM while its stores wait on PCIe: beside a GPU-bound chain of matmuls, 8 such
-flushes cost 12 ms where the copy engine's copies of the same bytes cost 1 ms; this kernel on 4-8
-programs cost 2.5-3.2 ms (H100, ``experiments/gpu/writer_words.py``,
+flushes cost it 12 ms more, the copy engine's copies of the same bytes 1 ms, and a kernel on 4-8
+programs 2.5-3.2 ms (H100, ``experiments/gpu/writer_words.py``,
 ``experiments/results/gpu/scatter-kernel-2444044-h100/``). And the torch way took a dozen launches
 per flush on the engine's thread (places, the last row per place, two copies), which at the 8B
 shape's 64 flushes a call cost more than the placer it replaces (the same results).
