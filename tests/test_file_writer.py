@@ -1,5 +1,6 @@
-"""The device's row-file writer (capture/file_writer.py), run with CPU tensors: the same torch
-scatter a GPU runs, checked against the host placer (placer.place_step), which it replaces there."""
+"""The device's row-file writer (capture/file_writer.py), run with CPU tensors: torch's scatter (a
+GPU's fallback) and the GPU's Triton kernels in Triton's interpreter (scatter_kernel.py), checked
+against the host placer (placer.place_step), which they replace there."""
 
 from __future__ import annotations
 
