@@ -639,7 +639,7 @@ def main() -> None:
         print(f"[bench] {spec['name']}: {time.perf_counter() - t0:.0f} s {summary}", flush=True)
         name = f"bench-{args.shape}" + (f"-tp{args.tp}" if args.tp > 1 else "") + ("-paired" if args.paired else "")
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        if args.paired and "batches" in res:
+        if args.paired and "error" not in res:  # a failed run keeps its spec's batch sizes, a list
             (out / f"{name}.md").write_text(paired_report(res, args.shape, meta))
         elif not args.paired:
             (out / f"{name}.md").write_text(report(results, args.shape, meta))
