@@ -47,7 +47,10 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["n_rows", "stamp"])
+    # Arguments whose values or alignment change from flush to flush or file to file are not
+    # specialised on: one compile per row width (warm_up's), none in the middle of a generation.
+    # (``capacity`` is the second row of the flush's [2, R] slot facts: 16-byte aligned for even R.)
+    @triton.jit(do_not_specialize=["positions", "first", "capacity", "n_rows", "stamp", "scratch"])
     def _claim(positions, first, capacity, places, last, n_rows, stamp, scratch, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         real = rows < n_rows
@@ -58,7 +61,7 @@ if triton is not None:
         tl.store(places + rows, place, mask=real)
         tl.atomic_max(last + place, stamp + rows, mask=inside)
 
-    @triton.jit(do_not_specialize=["n_rows", "stamp", "tokens", "marks"])  # one compile per row width
+    @triton.jit(do_not_specialize=["tokens", "marks", "n_rows", "stamp", "scratch"])
     def _scatter(src, dst, places, last, tokens, marks, n_rows, stamp, scratch, src_stride, dst_stride,
                  WORDS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         program, programs = tl.program_id(0), tl.num_programs(0)
