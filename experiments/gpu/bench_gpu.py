@@ -84,12 +84,16 @@ def captured_layers(n_layers: int, count: int) -> tuple[int, ...]:
     return tuple(sorted({round(i * n_layers / (count - 1)) for i in range(count)}))
 
 
-def engine_settings(shape: str, tp: int = 1, paired: bool = False) -> dict[str, Any]:
-    """One engine's settings; ``paired``: two engines share the GPU (the largest batch needs
-    ~6.3 GB of KV cache at the 8B shape, 256 sequences of ~190 tokens)."""
+def engine_settings(shape: str, tp: int = 1, paired: bool = False, engines: int = 2) -> dict[str, Any]:
+    """One engine's settings; ``paired``: ``engines`` engines share the GPU (the largest batch needs
+    ~6.3 GB of KV cache at the 8B shape, 256 sequences of ~190 tokens). vLLM refuses to start an
+    engine while less than its ``gpu_memory_utilization`` of the card is free (the KV cache is sized
+    by ``kv_cache_memory_bytes``): a third 8B engine (~27 GB each) did not start at 0.42 (session 24),
+    so beyond two the 8B shape's engines share 0.85 of the card."""
     kv_gib = (8 if shape == "llama8b" else 4) if paired else (16 if shape == "llama8b" else 8)
+    share = 0.85 / engines if shape == "llama8b" and engines > 2 else 0.42
     return dict(load_format="dummy", enable_prefix_caching=True, max_model_len=1024, max_num_seqs=256,
-                gpu_memory_utilization=0.42 if paired else 0.85, kv_cache_memory_bytes=kv_gib << 30,
+                gpu_memory_utilization=share if paired else 0.85, kv_cache_memory_bytes=kv_gib << 30,
                 seed=0, tensor_parallel_size=tp,
                 compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
 
@@ -168,7 +172,8 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     prompts = rendered_prompts(tokenizer, max(batches))
     layers = captured_layers(n_layers, count)
     big = Workload(max(batches), N, MAX_TOKENS)
-    pinner = CorePinner(2 + int(aa) + int(aux_only) + len(variants), pin) if pin else None
+    engines = 2 + int(aa) + int(aux_only) + len(variants)
+    pinner = CorePinner(engines, pin) if pin else None
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
     for name, config, captured, env in (
@@ -177,7 +182,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
             *((name, Config("ours", "compiled", "bfloat16"), layers, env) for name, env in variant_env.items()),
             *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
         with mock.patch.dict(os.environ, env):  # read in the engine process it starts (and per run, here)
-            runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True),
+            runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True, engines=engines),
                                    prompts, big)
         if pinner is not None:
             pinner.pin_new_engine(name)
@@ -186,7 +191,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         from uhead_vllm.generation.backends.aux import capture_engine_kwargs
         from vllm import LLM
 
-        aux_llm = LLM(model=model, dtype="bfloat16", **engine_settings(shape, paired=True),
+        aux_llm = LLM(model=model, dtype="bfloat16", **engine_settings(shape, paired=True, engines=engines),
                       **{**capture_engine_kwargs(layers, "bfloat16"),
                          "worker_extension_cls": "experiments.gpu.aux_only.AuxOnlyExtension"})
         if pinner is not None:
