@@ -140,7 +140,10 @@ class RowRecorder:
     _writer: FileWriter | None = None  # the destination's row file as the device writes it (or None)
     _placer: Placer = field(default_factory=Placer)
     _batcher: StepBatcher | None = None  # placed steps' rows on their way to the host, a batch at a time
-    _batchers: dict[bool, StepBatcher] = field(default_factory=dict)  # by whether the device writes the rows
+    # One batcher per way, by whether the device writes the rows. ``_batcher`` is this generation's,
+    # kept as state: a writer that fails mid-call hands the rest to the placer (``_writer`` becomes
+    # None) while the call's batcher stays.
+    _batchers: dict[bool, StepBatcher] = field(default_factory=dict)
     _staging: PinnedRing | None = None  # pinned memory for steps on their way to the placer (GPU)
     _arena: PinnedArena | None = None  # pinned memory for the metadata of placed steps (GPU)
 
