@@ -12,7 +12,7 @@ PAIRED_REPS of each per batch size: the ratio of the medians is then free of the
 speed differences (±20% on the lent machines) that the one-process-per-configuration ratios carry.
 ``--paired --split`` adds two alternating series, the generator's request form sent untagged to
 each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
-``--aa`` a second plain engine (the ratios' noise floor); ``--pin`` gives this process and each
+``--aa`` a second plain engine (the ratios' noise floor; with ``--variant same`` a second capturing engine too); ``--pin`` gives this process and each
 engine-core process cores of their own (without it, identical engines differed by up to 9% on a
 lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores
 differ: ``--pin together`` puts every engine on the same cores, which take turns as the runs do;
@@ -357,6 +357,7 @@ CAPTURE_VARIANTS = {
     "host-placer": ({FILE_WRITES_ENV: "0"}, "capture, rows placed by the host's placer thread (placer.py)"),
     "settled-placement": ({SETTLE_PLACEMENT_ENV: "1"},
                           "capture, the requests sent once the worker answered place_into"),
+    "same": ({}, "a second capturing engine, built like the first (B/B)"),
 }
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}
@@ -410,6 +411,17 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
             lo, hi = median_ratio_interval(a, b)
             lines.append(f"- {seqs} sequences: {float(np.median(a)) / float(np.median(b)):.3f} ({lo:.3f}-{hi:.3f}); "
                          f"pairs {float(np.median(pairs)):.3f} ({min(pairs):.3f}-{max(pairs):.3f})")
+    if "plain-graphs-b" in extra and "ours-same" in extra:
+        lines += ["", "Two engines of each kind (`--aa --variant same`): each repetition's mean of the two plain "
+                  "engines against its mean of the two capturing engines, so one process's own speed (its "
+                  "build order, its memory layout) weighs half (throughput, medians, 95% bootstrap interval):", ""]
+        for seqs, r in res["batches"].items():
+            s = r["seconds"]
+            plain = [(x + y) / 2 for x, y in zip(s["plain-graphs"], s["plain-graphs-b"])]
+            ours = [(x + y) / 2 for x, y in zip(s["ours-graphs"], s["ours-same"])]
+            lo, hi = median_ratio_interval(plain, ours)
+            lines.append(f"- {seqs} sequences: **{float(np.median(plain)) / float(np.median(ours)):.3f}** "
+                         f"({lo:.3f}-{hi:.3f}); capture B/B {float(np.median(s['ours-graphs'])) / float(np.median(s['ours-same'])):.3f}")
     if "plain-ids" in first["median_seconds"]:
         lines += ["", "The split: the generator's request form (token ids, one n=1 request per sample, no capture "
                   "tags) sent straight to each engine, alternating with the two above (median seconds; ratios are "
