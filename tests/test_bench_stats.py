@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.gpu.bench_gpu import median_ratio_interval
+from experiments.gpu.bench_gpu import median_ratio_interval, pooled_ratio
 
 
 def test_series_in_a_fixed_ratio_give_exactly_that_ratio():
@@ -28,6 +28,19 @@ def test_the_interval_holds_the_true_ratio_and_widens_with_noise():
         assert lo < 1.05 < hi
         widths.append(hi - lo)
     assert widths[0] < 0.05 < widths[1]
+
+
+def test_pooling_two_engines_of_each_kind_halves_one_slow_engine():
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0.9, 1.1, 30)
+    # capture 5% slower than plain, and the second plain engine a slow process (+10%)
+    seconds = {"plain-graphs": list(base), "plain-graphs-b": list(base * 1.10),
+               "ours-graphs": list(base * 1.05), "ours-same": list(base * 1.05)}
+    ratio, (lo, hi) = pooled_ratio(seconds)
+    assert ratio == pytest.approx(1.05 / 1.05)  # the slow plain engine lifts plain's mean to 1.05
+    assert lo <= ratio <= hi
+    seconds["plain-graphs-b"] = list(base)
+    assert pooled_ratio(seconds)[0] == pytest.approx(1 / 1.05)
 
 
 def test_series_of_different_lengths_are_refused():
