@@ -12,8 +12,9 @@ PAIRED_REPS of each per batch size: the ratio of the medians is then free of the
 speed differences (±20% on the lent machines) that the one-process-per-configuration ratios carry.
 ``--paired --split`` adds two alternating series, the generator's request form sent untagged to
 each engine: the request form's price on the plain engine, the aux outputs' on the capturing one;
-``--aa`` a second plain engine (the ratios' noise floor; with ``--variant same`` a second capturing engine too); ``--pin`` gives this process and each
-engine-core process cores of their own (without it, identical engines differed by up to 9% on a
+``--aa`` a second plain engine (the ratios' noise floor; with ``--variant same`` a second
+capturing engine too, and the report pools two engines of each kind); ``--pin`` gives this process
+and each engine-core process cores of their own (without it, identical engines differed by up to 9% on a
 lent H100 host; with it by ≤ 2.5%, by up to 16% on noisy hosts, where the engines' own cores
 differ: ``--pin together`` puts every engine on the same cores, which take turns as the runs do;
 ``--pin fastest`` probes the cores first and uses the quickest: a host's cores differed up to 2x);
