@@ -43,6 +43,31 @@ def test_pooling_two_engines_of_each_kind_halves_one_slow_engine():
     assert pooled_ratio(seconds)[0] == pytest.approx(1 / 1.05)
 
 
+def test_engine_processes_count_the_cpu_time_of_the_processes_an_engine_started():
+    import subprocess
+    import sys
+    import time
+
+    from experiments.gpu.bench_gpu import EngineProcesses
+
+    processes = EngineProcesses()
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+    idle = None
+    try:
+        time.sleep(0.05)
+        assert processes.note("busy") == [busy.pid]
+        idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
+        assert processes.note("idle") == [idle.pid]  # only what started since the last note
+        before = {name: processes.cpu_seconds(name) for name in ("busy", "idle")}
+        time.sleep(0.4)
+        spent = {name: processes.cpu_seconds(name) - before[name] for name in before}
+    finally:
+        busy.wait()
+        if idle is not None:
+            idle.wait()
+    assert spent["busy"] > 0.2 > spent["idle"]
+
+
 def test_series_of_different_lengths_are_refused():
     with pytest.raises(ValueError, match="equally long"):
         median_ratio_interval([1.0, 2.0], [1.0])

@@ -194,7 +194,7 @@ def main() -> None:
     import uhead_vllm.generation.generator as generator_module
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
-    from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, engine_settings, fanout_requests,
+    from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, EngineProcesses, engine_settings, fanout_requests,
                                            freeze_startup_heap, with_env)
     from experiments.gpu.models import SHAPES, build_model
 
@@ -212,10 +212,12 @@ def main() -> None:
 
         aux_backend.EXTENSION_QUALNAME = "experiments.gpu.step_timing.StepTimingExtension"
     pinner = CorePinner(3) if args.pin else None  # 4 shares of a 16-core host, as bench_gpu --paired --pin
+    processes = EngineProcesses()
     runner = Runner(Config("ours", "compiled", "bfloat16"), model, "bfloat16", (0, n_layers // 2, n_layers),
                     engine_settings(args.shape), prompts, big)
+    pids = processes.note("capture")
     if pinner is not None:
-        pinner.pin_new_engine("capture")
+        pinner.pin_engine("capture", pids)
     runner.warmup(big)
     freeze_startup_heap()
     physical_memory = generator_module._physical_memory

@@ -175,6 +175,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     big = Workload(max(batches), N, MAX_TOKENS)
     engines = 2 + int(aa) + int(aux_only) + len(variants)
     pinner = CorePinner(engines, pin) if pin else None
+    processes = EngineProcesses()
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
     for name, config, captured, env in (
@@ -185,8 +186,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         with mock.patch.dict(os.environ, env):  # read in the engine process it starts (and per run, here)
             runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True, engines=engines),
                                    prompts, big)
+        pids = processes.note(name)
         if pinner is not None:
-            pinner.pin_new_engine(name)
+            pinner.pin_engine(name, pids)
     aux_llm = None
     if aux_only:
         from uhead_vllm.generation.backends.aux import capture_engine_kwargs
@@ -195,8 +197,9 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         aux_llm = LLM(model=model, dtype="bfloat16", **engine_settings(shape, paired=True, engines=engines),
                       **{**capture_engine_kwargs(layers, "bfloat16"),
                          "worker_extension_cls": "experiments.gpu.aux_only.AuxOnlyExtension"})
+        pids = processes.note("aux-only-untagged")
         if pinner is not None:
-            pinner.pin_new_engine("aux-only-untagged")
+            pinner.pin_engine("aux-only-untagged", pids)
     for runner in runners.values():
         runner.warmup(big)
     times: dict[str, list[float]] = {}  # the capture generator's host phases (experiments/bench/phases.py)
@@ -220,6 +223,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
             if aux_llm is not None:
                 ways["aux-only-untagged"] = lambda wl: untagged_run(aux_llm, inputs, params)
         seconds = {name: [] for name in ways}
+        cpu = {name: {"frontend": [], "engine": []} for name in ways}  # CPU seconds per run, by process
         for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
             way(wl)                # slower for both (allocator, page cache), session 15
         phases: list[dict[str, float]] = []  # per capture run: seconds per phase
@@ -232,7 +236,11 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
             for name in names:
                 way = ways[name]
                 times.clear()
+                engine = ENGINE_OF_WAY.get(name, name)
+                engine_cpu, frontend_cpu = processes.cpu_seconds(engine), time.process_time()
                 r = way(wl)
+                cpu[name]["frontend"].append(time.process_time() - frontend_cpu)
+                cpu[name]["engine"].append(processes.cpu_seconds(engine) - engine_cpu)
                 seconds[name].append(r.seconds)
                 extra[name] = r.extra
                 if name == "ours-graphs":
@@ -243,6 +251,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
             "phase_seconds_per_run": phases,  # in run order: where a slow run spent its time
             "order": order,  # the ways' order in each repetition
             "seconds": seconds, "median_seconds": med, "generated_tokens": wl.generated_tokens,
+            "cpu_seconds": cpu,
             "ratio_of_medians": med["plain-graphs"] / med["ours-graphs"],
             "ratio_of_best": min(seconds["plain-graphs"]) / min(seconds["ours-graphs"]),
             "pair_ratios": [p / o for p, o in zip(seconds["plain-graphs"], seconds["ours-graphs"])],
@@ -270,8 +279,6 @@ class CorePinner:
     process the quickest share and every engine the :data:`FASTEST_SHARE` next."""
 
     def __init__(self, parts: int, mode: str = "apart"):
-        import psutil
-
         from experiments.gpu.host_probe import physical_cores
 
         if mode not in ("apart", "together", "fastest"):
@@ -288,19 +295,38 @@ class CorePinner:
                    "together": [cores(size, len(units))] * parts,  # the runs take turns on them
                    "fastest": [cores(size, size + FASTEST_SHARE)] * parts}[mode]
         self.shares = [cores(0, size)] + engines
-        self.me = psutil.Process()
-        self.known = {p.pid for p in self.me.children(recursive=True)}
         self.assigned: dict[str, list[int]] = {"frontend": self.shares[0]}
         _pin_threads(os.getpid(), self.shares[0])
 
-    def pin_new_engine(self, name: str) -> None:
-        """Pin every thread of the processes started since the last call to the next share."""
+    def pin_engine(self, name: str, pids: list[int]) -> None:
+        """Pin every thread of an engine's processes (:meth:`EngineProcesses.note`) to the next share."""
         share = self.shares[len(self.assigned)]
-        new = [p.pid for p in self.me.children(recursive=True) if p.pid not in self.known]
-        for pid in new:
+        for pid in pids:
             _pin_threads(pid, share)
-        self.known.update(new)
         self.assigned[name] = share
+
+
+class EngineProcesses:
+    """The processes each engine started (its engine core with the worker in it), to read their
+    CPU time around each run. CPU time counts work, not waiting for a core, so it is far less
+    disturbed by a noisy host than wall time (a frequency-throttled core still counts more)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self._known = {p.pid for p in self._me.children(recursive=True)}
+        self._of: dict[str, list[Any]] = {}
+
+    def note(self, name: str) -> list[int]:
+        """The processes started since the last call are engine ``name``'s; returns their pids."""
+        new = [p for p in self._me.children(recursive=True) if p.pid not in self._known]
+        self._known.update(p.pid for p in new)
+        self._of[name] = new
+        return [p.pid for p in new]
+
+    def cpu_seconds(self, name: str) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self._of[name]))
 
 
 #: Physical cores every engine shares in ``--pin fastest`` (an engine-core process keeps one thread
@@ -362,6 +388,10 @@ CAPTURE_VARIANTS = {
 }
 EXTRA_WAYS = {"aux-only-untagged": "aux outputs, no listener, untagged", "plain-graphs-b": "second plain engine (A/A)",
               **{f"ours-{name}": label for name, (_, label) in CAPTURE_VARIANTS.items()}}
+
+
+#: The engine each split way runs on (every other way runs on the engine of its own name).
+ENGINE_OF_WAY = {"plain-ids": "plain-graphs", "ours-untagged": "ours-graphs"}
 
 
 #: Bootstrap draws for the intervals of the paired report's ratios.
@@ -443,6 +473,19 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
             lines.append(f"| {seqs} | " + " | ".join(
                 f"{med[k]:.3f} ({med['plain-graphs'] / med[k]:.3f})"
                 for k in ("plain-graphs", "plain-ids", "ours-untagged", "ours-graphs", *extra)) + " |")
+    if "cpu_seconds" in first:
+        labels = {"plain-graphs": "plain", "plain-ids": "plain, generator's request form",
+                  "ours-untagged": "capturing engine, untagged", "ours-graphs": "capture", **extra}
+        lines += ["", "CPU time per call (median ms; in brackets: its CPU time over plain's, more work above 1): this process (vLLM's frontend "
+                  "and the generator) and the engine's processes (engine core with its worker). CPU time counts "
+                  "work, not waiting for a core: steadier than wall time on a noisy host.", "",
+                  "| sequences | way | frontend CPU ms | engine CPU ms |", "|---|---|---:|---:|"]
+        for seqs, r in res["batches"].items():
+            med = {k: {p: float(np.median(v)) for p, v in c.items()} for k, c in r["cpu_seconds"].items()}
+            base = med["plain-graphs"]
+            for k in (k for k in labels if k in med):
+                lines.append(f"| {seqs} | {labels[k]} | " + " | ".join(
+                    f"{1e3 * med[k][p]:.0f} ({med[k][p] / base[p]:.3f})" for p in ("frontend", "engine")) + " |")
     if "phase_median_seconds" in first:
         names = list(first["phase_median_seconds"])
         lines += ["", "Capture's phases (median ms per call; wall-clock timers around the generator's steps, "
