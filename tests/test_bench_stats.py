@@ -48,7 +48,7 @@ def test_engine_processes_count_the_cpu_time_of_the_processes_an_engine_started(
     import sys
     import time
 
-    from experiments.gpu.bench_gpu import EngineProcesses
+    from experiments.bench.processes import EngineProcesses
 
     processes = EngineProcesses()
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])

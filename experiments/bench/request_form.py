@@ -31,24 +31,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default form: front
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads would count as engine work
 
 from .env import REPO_ROOT, setup_env  # noqa: E402
+from .processes import EngineProcesses  # noqa: E402
 from experiments import provenance  # noqa: E402
 
 OUT = REPO_ROOT / "experiments" / "results" / "bench"
-
-
-def _engine_processes(before: set[int]) -> list["psutil.Process"]:  # noqa: F821
-    """The processes vLLM started: its engine core, its worker(s) and helpers (the children that
-    were not there before)."""
-    import psutil
-
-    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    if not any("EngineCore" in p.name() for p in new):
-        raise RuntimeError(f"no engine-core process among vLLM's: {[p.name() for p in new]}")
-    return new
-
-
-def _cpu_seconds(processes: list["psutil.Process"]) -> float:  # noqa: F821
-    return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -59,17 +45,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=8)
     args = ap.parse_args(argv)
     setup_env()
-    import psutil
     from vllm import LLM, SamplingParams
 
     from uhead_vllm._testing import build_tiny_model
 
     model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
-    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    processes = EngineProcesses()
     llm = LLM(model=model, enforce_eager=True, block_size=32, kv_cache_memory_bytes=512 << 20,
               max_model_len=512, max_num_seqs=args.prompts * args.n, max_num_batched_tokens=4096, seed=0)
-    engine = _engine_processes(children)
-    frontend = [psutil.Process()]
+    if not processes.note("engine"):
+        raise RuntimeError("vLLM started no engine-core process")
     tokenizer = llm.get_tokenizer()
     texts = [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3
              for i in range(args.prompts)]
@@ -90,10 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
             inputs, sp = make()
             llm.reset_prefix_cache()
             gc.collect()
-            wall, front, core = time.perf_counter(), _cpu_seconds(frontend), _cpu_seconds(engine)
+            wall, front, core = time.perf_counter(), time.process_time(), processes.cpu_seconds("engine")
             out = llm.generate(inputs, sp, use_tqdm=False)
-            m = {"wall_ms": 1e3 * (time.perf_counter() - wall), "frontend_cpu_ms": 1e3 * (_cpu_seconds(frontend) - front),
-                 "engine_cpu_ms": 1e3 * (_cpu_seconds(engine) - core)}
+            m = {"wall_ms": 1e3 * (time.perf_counter() - wall), "frontend_cpu_ms": 1e3 * (time.process_time() - front),
+                 "engine_cpu_ms": 1e3 * (processes.cpu_seconds("engine") - core)}
             tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
             if tokens != args.prompts * args.n * args.tokens:
                 raise RuntimeError(f"{name}: {tokens} tokens generated, expected {args.prompts * args.n * args.tokens}")

@@ -194,7 +194,8 @@ def main() -> None:
     import uhead_vllm.generation.generator as generator_module
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
-    from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, EngineProcesses, engine_settings, fanout_requests,
+    from experiments.bench.processes import EngineProcesses
+    from experiments.gpu.bench_gpu import (MAX_TOKENS, N, CorePinner, engine_settings, fanout_requests,
                                            freeze_startup_heap, with_env)
     from experiments.gpu.models import SHAPES, build_model
 

@@ -43,6 +43,7 @@ from unittest import mock
 import numpy as np
 
 from experiments import provenance
+from experiments.bench.processes import EngineProcesses
 from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
 from uhead_vllm.capture.placer import PLACE_AT_DRAIN_ENV
 from uhead_vllm.capture.step_batch import STEP_BATCH_ENV, STEP_GRAPHS_ENV
@@ -304,29 +305,6 @@ class CorePinner:
         for pid in pids:
             _pin_threads(pid, share)
         self.assigned[name] = share
-
-
-class EngineProcesses:
-    """The processes each engine started (its engine core with the worker in it), to read their
-    CPU time around each run. CPU time counts work, not waiting for a core, so it is far less
-    disturbed by a noisy host than wall time (a frequency-throttled core still counts more)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self._me = psutil.Process()
-        self._known = {p.pid for p in self._me.children(recursive=True)}
-        self._of: dict[str, list[Any]] = {}
-
-    def note(self, name: str) -> list[int]:
-        """The processes started since the last call are engine ``name``'s; returns their pids."""
-        new = [p for p in self._me.children(recursive=True) if p.pid not in self._known]
-        self._known.update(p.pid for p in new)
-        self._of[name] = new
-        return [p.pid for p in new]
-
-    def cpu_seconds(self, name: str) -> float:
-        return sum(t.user + t.system for t in (p.cpu_times() for p in self._of[name]))
 
 
 #: Physical cores every engine shares in ``--pin fastest`` (an engine-core process keeps one thread
