@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     setup_env()  # its defaults only fill what is unset: the engine process set above stays
     from vllm import SamplingParams
 
-    from uhead_vllm._testing import build_tiny_model
     from uhead_vllm.generation import VllmHiddenStatesGenerator, build_llm
 
-    model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
+    from .workload import counting_prompts, tiny_llama
+
+    model = tiny_llama()
     llm = build_llm(model, (0, 2, 4), capture_dtype="bfloat16", enforce_eager=True, block_size=32,
                     kv_cache_memory_bytes=512 << 20, max_model_len=512, max_num_seqs=args.prompts * args.n,
                     max_num_batched_tokens=4096, seed=0)
@@ -52,8 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[str, list[float]] = {}
     time_generator_phases(gen, times)
     llm.generate = timed(times, "llm.generate", llm.generate)
-    prompts = [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3
-               for i in range(args.prompts)]
+    prompts = counting_prompts(args.prompts)
     sp = SamplingParams(n=args.n, max_tokens=args.tokens, temperature=0.8, ignore_eos=True)
     runs = []
     for _ in range(args.reps):

@@ -42,18 +42,17 @@ def main(argv: list[str] | None = None) -> dict:
     setup_env()
     from vllm import SamplingParams
 
-    from uhead_vllm._testing import build_tiny_model
     from uhead_vllm.capture.protocol import RequestTag
     from uhead_vllm.generation import build_llm
 
-    model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
+    from .workload import counting_prompts, tiny_llama
+
+    model = tiny_llama()
     llm = build_llm(model, (0, 2, 4), capture_dtype="bfloat16", enforce_eager=True, block_size=32,
                     kv_cache_memory_bytes=512 << 20, max_model_len=512, max_num_seqs=args.prompts * args.n,
                     max_num_batched_tokens=8192, seed=0)
     tokenizer = llm.get_tokenizer()
-    prompts = [{"prompt_token_ids": tokenizer(f"question {i}: the cat sees {i} apples and "
-                                              + "the dog counts them again " * 3)["input_ids"]}
-               for i in range(args.prompts)]
+    prompts = [{"prompt_token_ids": tokenizer(text)["input_ids"]} for text in counting_prompts(args.prompts)]
     per_sample = [p for p in prompts for _ in range(args.n)]
     one = SamplingParams(n=1, max_tokens=2, temperature=1.0, ignore_eos=True)
 

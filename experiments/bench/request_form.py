@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads would
 
 from .env import REPO_ROOT, setup_env  # noqa: E402
 from .processes import EngineProcesses  # noqa: E402
+from .workload import counting_prompts, tiny_llama  # noqa: E402
 from experiments import provenance  # noqa: E402
 
 OUT = REPO_ROOT / "experiments" / "results" / "bench"
@@ -47,17 +48,14 @@ def main(argv: list[str] | None = None) -> dict:
     setup_env()
     from vllm import LLM, SamplingParams
 
-    from uhead_vllm._testing import build_tiny_model
-
-    model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
+    model = tiny_llama()
     processes = EngineProcesses()
     llm = LLM(model=model, enforce_eager=True, block_size=32, kv_cache_memory_bytes=512 << 20,
               max_model_len=512, max_num_seqs=args.prompts * args.n, max_num_batched_tokens=4096, seed=0)
     if not processes.note("engine"):
         raise RuntimeError("vLLM started no engine-core process")
     tokenizer = llm.get_tokenizer()
-    texts = [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3
-             for i in range(args.prompts)]
+    texts = counting_prompts(args.prompts)
     ids = [{"prompt_token_ids": tokenizer(t)["input_ids"]} for t in texts]
     per_sample = [p for p in ids for _ in range(args.n)]
 

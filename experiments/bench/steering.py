@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     from uhead_vllm.generation import SMALL_CPU_ENGINE, VllmHiddenStatesGenerator, build_llm
 
     if args.tiny:
-        from uhead_vllm._testing import build_tiny_model
+        from .workload import tiny_llama
 
-        model = str(build_tiny_model(REPO_ROOT / ".cache" / "tiny_models" / "llama-v1", "llama"))
+        model = tiny_llama()
     else:
         from uhead_vllm.models import embedded_model_path
 

@@ -70,6 +70,21 @@ class Profile:
         return d
 
 
+def tiny_llama() -> str:
+    """The tiny random Llama of the CPU host-work studies (built once under ``.cache``): its size
+    does not matter to them, the number of sequences and rows does."""
+    from uhead_vllm._testing import build_tiny_model
+
+    from .env import CACHE_ROOT
+
+    return str(build_tiny_model(CACHE_ROOT / "tiny_models" / "llama-v1", "llama"))
+
+
+def counting_prompts(num: int) -> list[str]:
+    """``num`` short distinct prompts of equal length, for studies where only their count matters."""
+    return [f"question {i}: the cat sees {i} apples and " + "the dog counts them again " * 3 for i in range(num)]
+
+
 def questions(num: int, seed: int = 0) -> list[str]:
     """Small arithmetic word problems: realistic chat prompts of a few dozen tokens."""
     rng = random.Random(seed)
