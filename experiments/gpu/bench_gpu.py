@@ -456,7 +456,8 @@ def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
                   "ours-untagged": "capturing engine, untagged", "ours-graphs": "capture", **extra}
         lines += ["", "CPU time per call (median ms; in brackets: its CPU time over plain's, more work above 1): this process (vLLM's frontend "
                   "and the generator) and the engine's processes (engine core with its worker). CPU time counts "
-                  "work, not waiting for a core: steadier than wall time on a noisy host.", "",
+                  "work, not waiting for a core; but the engine core's thread spins while it waits for the GPU, "
+                  "so the engine's CPU time follows its wall time and measures work only where it does not wait.", "",
                   "| sequences | way | frontend CPU ms | engine CPU ms |", "|---|---|---:|---:|"]
         for seqs, r in res["batches"].items():
             med = {k: {p: float(np.median(v)) for p, v in c.items()} for k, c in r["cpu_seconds"].items()}
