@@ -121,3 +121,20 @@ def test_an_unknown_pin_mode_is_refused_before_anything_is_pinned():
     with pytest.raises(ValueError, match="pin mode 'spread'"):
         CorePinner(2, "spread")
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_across_rounds_is_the_median_of_rounds_with_an_interval_around_it():
+    from experiments.gpu.bench_gpu import across_rounds, round_ratio
+
+    med, (lo, hi) = across_rounds([0.90, 0.97, 0.95, 0.96, 0.93])
+    assert med == pytest.approx(0.95) and 0.90 <= lo <= med <= hi <= 0.97
+    med, interval = across_rounds([0.96, 0.96, 0.96])
+    assert med == pytest.approx(0.96) and interval == pytest.approx((0.96, 0.96))
+    with pytest.raises(ValueError):
+        across_rounds([0.9])
+    # A round with two engines of each kind is pooled; one without takes its ratio of medians.
+    single = {"seconds": {"plain-graphs": [1.0, 1.0], "ours-graphs": [1.1, 1.1]}, "ratio_of_medians": 1 / 1.1}
+    assert round_ratio(single) == pytest.approx(1 / 1.1)
+    pooled = {"seconds": {"plain-graphs": [1.0, 1.0], "plain-graphs-b": [1.2, 1.2], "ours-graphs": [1.1, 1.1],
+                          "ours-same": [1.1, 1.1]}, "ratio_of_medians": 1 / 1.1}
+    assert round_ratio(pooled) == pytest.approx(1.0)

@@ -143,9 +143,11 @@ def child(spec: dict[str, Any], model: str, shape: str, tp: int = 1) -> dict[str
 
 def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS, count: int = 3,
                  split: bool = False, aux_only: bool = False, aa: bool = False, pin: str = "",
-                 variants: tuple[str, ...] = (), batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
+                 variants: tuple[str, ...] = (), batches: tuple[int, ...] = BATCHES,
+                 capture_first: bool = False) -> dict[str, Any]:
     """Plain vLLM with graphs and capture with graphs built side by side, runs alternated, at
-    ``batches`` (prompts per call).
+    ``batches`` (prompts per call). ``capture_first``: the capturing engines are built before the
+    plain ones (``--rounds`` alternates the order, so a bias by build order cancels).
 
     ``split``: two more series alternate with them, the generator's request form (token ids, one
     n=1 request per sample, no capture tags) sent straight to each engine's vLLM: on the plain
@@ -179,11 +181,12 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
     processes = EngineProcesses()
     runners: dict[str, Any] = {}
     variant_env = {f"ours-{v}": CAPTURE_VARIANTS[v][0] for v in variants}
-    for name, config, captured, env in (
-            ("plain-graphs", Config("plain", "compiled"), (0,), {}),
-            ("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
-            *((name, Config("ours", "compiled", "bfloat16"), layers, env) for name, env in variant_env.items()),
-            *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())):
+    plain = [("plain-graphs", Config("plain", "compiled"), (0,), {}),
+             *((("plain-graphs-b", Config("plain", "compiled"), (0,), {}),) if aa else ())]
+    ours = [("ours-graphs", Config("ours", "compiled", "bfloat16"), layers, {}),
+            *((name, Config("ours", "compiled", "bfloat16"), layers, env) for name, env in variant_env.items())]
+    builds = ours + plain if capture_first else plain[:1] + ours + plain[1:]  # A/A's second plain engine: built last
+    for name, config, captured, env in builds:
         with mock.patch.dict(os.environ, env):  # read in the engine process it starts (and per run, here)
             runners[name] = Runner(config, model, "bfloat16", captured, engine_settings(shape, paired=True, engines=engines),
                                    prompts, big)
@@ -398,6 +401,49 @@ def pooled_ratio(seconds: dict[str, list[float]]) -> tuple[float, tuple[float, f
     plain = [(x + y) / 2 for x, y in zip(seconds["plain-graphs"], seconds["plain-graphs-b"])]
     ours = [(x + y) / 2 for x, y in zip(seconds["ours-graphs"], seconds["ours-same"])]
     return float(np.median(plain)) / float(np.median(ours)), median_ratio_interval(plain, ours)
+
+
+def round_ratio(batch: dict[str, Any]) -> float:
+    """One round's throughput ratio, capture over plain, at one batch size: pooled over two engines
+    of each kind where the round had them (``--aa --variant same``), else the ratio of medians."""
+    s = batch["seconds"]
+    return pooled_ratio(s)[0] if "plain-graphs-b" in s and "ours-same" in s else batch["ratio_of_medians"]
+
+
+def across_rounds(ratios: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """The median of per-round ratios and a bootstrap interval over rounds: each round has engines of
+    its own, so the interval counts the process-to-process spread a single run cannot see."""
+    x = np.asarray(ratios, dtype=float)
+    if x.size < 2:
+        raise ValueError(f"need at least 2 rounds, got {x.size}")
+    draws = np.median(x[np.random.default_rng(seed).integers(0, x.size, size=(BOOTSTRAP_DRAWS, x.size))], axis=1)
+    tail = (1 - level) / 2
+    return float(np.median(x)), (float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail)))
+
+
+def rounds_report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
+    """``--rounds``: each round's ratio (its own engines; every round's details in ``-rK.md``) and
+    the median over rounds."""
+    done = [r for r in results if "batches" in r]
+    lines = [f"# GPU capture throughput over {len(results)} rounds, {shape} shape ({meta['gpu']}, vLLM {meta['vllm']})", "",
+             f"commit `{meta['commit']}`, command `{meta['command']}`", "",
+             "Each round builds its own plain and capturing engines in a fresh process (capturing engines "
+             "first in every second round) and alternates their runs; a round's ratio is capture / plain "
+             "throughput (ratio of medians; pooled over two engines of each kind where the round had them). "
+             "Across rounds: the median and a 95% bootstrap interval over rounds.", "",
+             "| sequences | rounds | per round | median over rounds | 95% interval |", "|---|---:|---|---:|---|"]
+    for seqs in (done[0]["batches"] if done else {}):
+        ratios = [round_ratio(r["batches"][seqs]) for r in done]
+        cells = ", ".join(f"{x:.3f}" for x in ratios)
+        if len(ratios) > 1:
+            med, (lo, hi) = across_rounds(ratios)
+            lines.append(f"| {seqs} | {len(ratios)} | {cells} | **{med:.3f}** | {lo:.3f}-{hi:.3f} |")
+        else:
+            lines.append(f"| {seqs} | 1 | {cells} | - | - |")
+    for r in results:
+        if "batches" not in r:
+            lines += ["", f"**{r['name']} failed**: {r.get('error', '?')[-500:]}"]
+    return "\n".join(lines) + "\n"
 
 
 def paired_report(res: dict[str, Any], shape: str, meta: dict[str, Any]) -> str:
@@ -618,20 +664,26 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
                     help="--paired: prompts per call (x n=4 samples), e.g. --batches 64 with many --reps: "
                          "on a noisy host, many adjacent pairs at one size say more than a few at each")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--paired: this many rounds, each a fresh process with fresh engines (the build order "
+                         "alternating): the report's ratio is then the median over rounds, free of one "
+                         "process's own speed")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1 or (args.rounds > 1 and not args.paired):
+        ap.error("--rounds takes a count of at least 1, and more than 1 only with --paired")
     out = Path(args.out)
     if args.child:
         spec = json.loads(args.child)
         try:
-            if spec["name"] == "paired":
+            if spec["name"].startswith("paired"):
                 from experiments.gpu.models import SHAPES
 
                 res = paired_child(args.model, args.shape, SHAPES[args.shape]["num_hidden_layers"], spec["reps"],
                                    spec["layers"], spec["split"], spec.get("aux_only", False), spec.get("aa", False),
                                    spec.get("pin") or "", tuple(spec.get("variants", ())),
-                                   tuple(spec.get("batches") or BATCHES))
+                                   tuple(spec.get("batches") or BATCHES), spec.get("capture_first", False))
             else:
                 res = child(spec, args.model, args.shape, args.tp)
         except Exception as exc:  # noqa: BLE001  (reported in the table, the other configs go on)
@@ -661,10 +713,11 @@ def main() -> None:
     results = []
     only = set(filter(None, args.only.split(",")))
     specs = configs(args.shape, SHAPES[args.shape]["num_hidden_layers"])
-    if args.paired:
-        specs = [dict(name="paired", runner="v2", reps=args.reps, layers=args.layers, split=args.split,
-                      aux_only=args.aux_only, aa=args.aa, pin=args.pin, variants=args.variant,
-                      batches=args.batches)]
+    if args.paired:  # --rounds: each round a fresh process with fresh engines, the build order alternating
+        specs = [dict(name="paired" if args.rounds == 1 else f"paired-r{k + 1}", runner="v2", reps=args.reps,
+                      layers=args.layers, split=args.split, aux_only=args.aux_only, aa=args.aa, pin=args.pin,
+                      variants=args.variant, batches=args.batches, capture_first=bool(k % 2))
+                 for k in range(args.rounds)]
     for spec in specs:
         if only and spec["name"] not in only:
             continue
@@ -688,7 +741,10 @@ def main() -> None:
         name = f"bench-{args.shape}" + (f"-tp{args.tp}" if args.tp > 1 else "") + ("-paired" if args.paired else "")
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         if args.paired and "error" not in res:  # a failed run keeps its spec's batch sizes, a list
-            (out / f"{name}.md").write_text(paired_report(res, args.shape, meta))
+            suffix = "" if args.rounds == 1 else f"-r{len(results)}"
+            (out / f"{name}{suffix}.md").write_text(paired_report(res, args.shape, meta))
+        if args.paired and args.rounds > 1:
+            (out / f"{name}-rounds.md").write_text(rounds_report(results, args.shape, meta))
         elif not args.paired:
             (out / f"{name}.md").write_text(report(results, args.shape, meta))
 
