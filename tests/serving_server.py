@@ -1,4 +1,7 @@
-"""A real ``uhead-vllm serve`` process on localhost for the serving tests, and a tiny head for it."""
+"""A real ``uhead-vllm serve`` process on localhost for the serving tests, and a tiny head for it.
+
+``server`` / ``client`` (fixtures, registered in conftest.py): one tiny-model server for the whole
+session, shared by test_serving.py and test_serving_page.py (a start is ~50 s on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,14 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The shared server's captured layers, its --points (one alias) and its head's layers.
+LAYERS = [0, 2, 4]
+SERVER_POINTS = ["pre_attn.0", "attn_out.1", "mlp_out.1", "mlp_in.3", "mlp_out:3"]
+HEAD_LAYERS = [2, 4]
 
 
 def free_port() -> int:
@@ -94,3 +102,25 @@ def serve(args: list[str], log_path: Path) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def head_path(tiny_models, tmp_path_factory) -> Path:
+    return build_tiny_head(tiny_models["llama"], tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_models, tmp_path_factory, head_path) -> Iterator[Server]:
+    """fp32 rows of layers 0/2/4 and five capture points, steering, prefix caching, 32-token blocks."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    yield from serve(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
+                      "--capture-dtype", "float32", "--max-model-len", "512",
+                      "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+                      "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)

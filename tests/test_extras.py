@@ -41,22 +41,8 @@ def test_core_dependencies_leave_out_the_extras():
         assert extra in setup.split('pip_q -e ".[')[1].split(']"')[0].split(",")
 
 
-def test_public_api_imports_without_extras():
-    proc = run_without_extras("""
-        import json, uhead_vllm
-        names = list(uhead_vllm.__all__)
-        for n in names:
-            getattr(uhead_vllm, n)
-        import uhead_vllm.tasks, uhead_vllm.metrics, uhead_vllm.models, uhead_vllm.heads, uhead_vllm.features
-        loaded = [m for m in %r if sys.modules.get(m) is not None]
-        print(json.dumps({"n": len(names), "loaded": loaded}))
-    """ % (EXTRA_MODULES,))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["n"] > 20 and got["loaded"] == []
-
-
-@pytest.mark.parametrize("code, package, extra", [
+#: Each feature that needs an extra: the code that reaches it, the pip package and the extra named.
+MISSING_EXTRA_CASES = [
     ("from uhead_vllm import tasks; tasks.load_questions('basic_arithmetic', 3)", "reasoning-gym", "study"),
     ("from uhead_vllm import tasks; q = tasks.Question('basic_arithmetic', 'q', 'Calculate 1 + 1.', '2', {});"
      " tasks.grade(q, 'Answer: 2')", "reasoning-gym", "study"),
@@ -66,21 +52,46 @@ def test_public_api_imports_without_extras():
      " models._convert_gguf(Path('/nonexistent/m.gguf'), Path('/tmp/_never'))", "gguf", "embedded"),
     ("from uhead_vllm.scaleout import RayOptions, run_units; run_units(object, {}, [0], RayOptions())",
      "ray", "ray"),
-])
-def test_missing_extra_names_the_extra(code, package, extra):
-    proc = run_without_extras(f"""
-        from uhead_vllm import MissingExtraError, UheadError
-        try:
-            {code}
-        except MissingExtraError as e:
-            assert isinstance(e, (UheadError, ImportError)) and e.exit_code == 2
-            print("MESSAGE", e)
-        else:
-            raise SystemExit("no MissingExtraError")
-    """)
+]
+
+
+@pytest.fixture(scope="module")
+def without_extras() -> dict:
+    """One fresh interpreter without the extras (each start imports torch and vLLM: ~15 s): first
+    the public API, then every case of :data:`MISSING_EXTRA_CASES` in turn, each outcome reported."""
+    proc = run_without_extras("""
+        import json, uhead_vllm
+        names = list(uhead_vllm.__all__)
+        for n in names:
+            getattr(uhead_vllm, n)
+        import uhead_vllm.tasks, uhead_vllm.metrics, uhead_vllm.models, uhead_vllm.heads, uhead_vllm.features
+        report = {"n": len(names), "loaded": [m for m in %r if sys.modules.get(m) is not None], "cases": []}
+        for code in json.loads(sys.argv[1]):
+            try:
+                exec(code, {})
+            except uhead_vllm.MissingExtraError as e:
+                ok = isinstance(e, (uhead_vllm.UheadError, ImportError)) and e.exit_code == 2
+                report["cases"].append({"message": str(e), "ok": ok})
+            except Exception as e:
+                report["cases"].append({"message": f"{type(e).__name__}: {e}", "ok": False})
+            else:
+                report["cases"].append({"message": "no MissingExtraError", "ok": False})
+        print(json.dumps(report))
+    """ % (EXTRA_MODULES,), json.dumps([code for code, _, _ in MISSING_EXTRA_CASES]))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    msg = proc.stdout.split("MESSAGE", 1)[1]
-    assert f"'{package}'" in msg and f"pip install 'uhead-vllm[{extra}]'" in msg
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_public_api_imports_without_extras(without_extras):
+    assert without_extras["n"] > 20 and without_extras["loaded"] == []
+
+
+@pytest.mark.parametrize("case", range(len(MISSING_EXTRA_CASES)))
+def test_missing_extra_names_the_extra(without_extras, case):
+    _, package, extra = MISSING_EXTRA_CASES[case]
+    got = without_extras["cases"][case]
+    assert got["ok"], got["message"]
+    assert f"'{package}'" in got["message"] and f"pip install 'uhead-vllm[{extra}]'" in got["message"]
 
 
 def test_cli_reports_missing_extra_in_one_line(tmp_path):

@@ -1,8 +1,9 @@
 """``uhead-vllm serve``: a real server process on localhost, the real ``openai`` client.
 
-One tiny-model server serves the whole module (fp32 rows, layers 0/2/4 and five capture points,
-steering, prefix caching on, 32-token blocks); returned rows are checked against Hugging Face's
-forward on the same ids (point columns: HF forward hooks on the same modules).
+One tiny-model server (serving_server.py's fixture, shared with the page's test) serves the whole
+module (fp32 rows, layers 0/2/4 and five capture points, steering, prefix caching on, 32-token
+blocks); returned rows are checked against Hugging Face's forward on the same ids (point columns:
+HF forward hooks on the same modules).
 """
 
 from __future__ import annotations
@@ -19,38 +20,12 @@ from safetensors.torch import load as st_load
 
 from point_reference import hf_point_run
 from reference import hf_rows, relative_error
-from serving_server import build_tiny_head, serve
+from serving_server import HEAD_LAYERS, LAYERS
 
-LAYERS = [0, 2, 4]
-#: The server's --points (one alias) and the canonical sites they name, in column order.
-SERVER_POINTS = ["pre_attn.0", "attn_out.1", "mlp_out.1", "mlp_in.3", "mlp_out:3"]
+#: The canonical sites the server's --points name (serving_server.SERVER_POINTS), in column order.
 SITES = [("attn_in", 0), ("attn_out", 1), ("mlp_out", 1), ("mlp_in", 3), ("mlp_out", 3)]
-HEAD_LAYERS = [2, 4]
 PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
           "check each step twice before you give the final answer to the question below. ")
-
-
-@pytest.fixture(scope="module")
-def head_path(tiny_models, tmp_path_factory):
-    return build_tiny_head(tiny_models["llama"], tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory, head_path):
-    model = tiny_models["llama"]
-    head = head_path
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    yield from serve(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
-                      "--capture-dtype", "float32", "--max-model-len", "512",
-                      "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-                      "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
 
 
 def rows_of(unc: dict) -> tuple[torch.Tensor, list[int]]:

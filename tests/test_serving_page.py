@@ -12,8 +12,6 @@ import urllib.parse
 
 import pytest
 
-from test_serving import client, head_path, server  # noqa: F401  (the module's server fixtures)
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/setup.sh installs it)")
 
@@ -46,7 +44,7 @@ class _Steps(html.parser.HTMLParser):
             self.state = a.get("data-state")
 
 
-def test_page_renders_steps_coloured_by_p_wrong(server, client, tmp_path):  # noqa: F811
+def test_page_renders_steps_coloured_by_p_wrong(server, client, tmp_path):
     question = "What is 4 + 5?"
     url = f"{server.base}/?q={urllib.parse.quote(question)}"
     shot = tmp_path / "page.png"
