@@ -111,52 +111,48 @@ def test_compiled_mode_rows_match_hf(tiny_models):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode,name", [("eager", "qwen3")])  # compiled: in-process test above; GPU TP=2 test
-@pytest.mark.parametrize("writes", ["placer", "file-writer"])
-def test_multiprocess_rows_match_hf(tiny_models, tmp_path, mode, name, writes):
-    """``file-writer``: the worker writes the rows into the shared file with the torch scatter a
-    GPU runs (capture/file_writer.py), here on the CPU, instead of the host placer."""
-    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
-
-    model = tiny_models[name]
+def test_multiprocess_rows_match_hf(tiny_models, tmp_path):
+    """Engine core and worker in their own processes (qwen3, eager; compiled: the in-process test
+    above and the GPU TP=2 test). The generator's calls run twice on the one engine: rows placed by
+    the host placer, then written by the worker with the torch scatter a GPU runs
+    (capture/file_writer.py), here on the CPU."""
+    model = tiny_models["qwen3"]
     layers = layers_for(model)
     out = tmp_path / "rows.safetensors"
     script = Path(__file__).parent / "scripts" / "capture_in_subprocess.py"
-    env = {**os.environ, FILE_WRITES_ENV: "1" if writes == "file-writer" else "0"}
-    proc = subprocess.run([sys.executable, str(script), str(model), str(out), mode, json.dumps(list(layers))],
+    env = {k: v for k, v in os.environ.items() if k != "UHEAD_FILE_WRITES"}  # the script chooses per call
+    proc = subprocess.run([sys.executable, str(script), str(model), str(out), "eager", json.dumps(list(layers))],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     t = load_file(str(out))
     seqs = {i: t[f"seq_{i}"].tolist() for i in range(3)}
     check_raw_rows(model, seqs, t["tags"], t["positions"], t["token_ids"], t["hidden"], layers, 1e-4)
     assert t["chunk_offsets"].numel() - 1 > 3 * 2  # prompt chunks + decode steps
-    # The generator on the same engine: the worker placed its rows into shared memory.
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
-    assert int(meta["rows_placed"]) == int(meta["rows_captured"]) > 0
-    on_device = int(meta["rows_placed"]) if writes == "file-writer" else 0
-    assert int(meta["rows_written_on_device"]) == on_device
-    assert (int(meta["again_rows_written_on_device"]) > 0) == (writes == "file-writer")
-    assert int(meta["rows_from_shared_prefix"]) > 0 and int(meta["rows_from_store"]) == 0
-    samples = sorted(k[: -len("_ids")] for k in t if k.startswith("gen_") and k.endswith("_ids"))
-    assert len(samples) == 4
-    for key in samples:
-        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
-    # Shared row files: held rows stay as they were, a file nobody holds is written again.
-    assert meta["held_rows_unchanged"] == "True" and meta["files_created_while_held"] == "2"
-    assert meta["files_created"] == "2" and meta["files_reused"] == "1" and int(meta["again_rows_placed"]) > 0
-    again = sorted(k[: -len("_ids")] for k in t if k.startswith("again_") and k.endswith("_ids"))
-    assert len(again) == 4
-    for key in again:
-        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
-    # The destination is handed over without waiting for the worker's answer; a worker that
-    # declines it (the file it sees is not the engine side's) answers after the requests ran, and
-    # the rows come back with the fetch instead, still exact.
-    assert meta["declined_rows_placed"] == "0" and int(meta["declined_rows_captured"]) > 0
-    declined = sorted(k[: -len("_ids")] for k in t if k.startswith("declined_") and k.endswith("_ids"))
-    assert len(declined) == 4
-    for key in declined:
-        assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
+    for way in ("placer", "file-writer"):
+        m = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith(f"{way}.")}
+        # The generator on the same engine: the worker placed its rows into shared memory.
+        assert int(m["rows_placed"]) == int(m["rows_captured"]) > 0, way
+        on_device = int(m["rows_placed"]) if way == "file-writer" else 0
+        assert int(m["rows_written_on_device"]) == on_device, way
+        assert (int(m["again_rows_written_on_device"]) > 0) == (way == "file-writer"), way
+        assert int(m["rows_from_shared_prefix"]) > 0 and int(m["rows_from_store"]) == 0, way
+        # Shared row files: held rows stay as they were; a file is written again once nobody holds it.
+        assert m["held_rows_unchanged"] == "True" and int(m["again_rows_placed"]) > 0, way
+        # The destination is handed over without waiting for the worker's answer; a worker that
+        # declines it (the file it sees is not the engine side's) answers after the requests ran,
+        # and the rows come back with the fetch instead, still exact.
+        assert m["declined_rows_placed"] == "0" and int(m["declined_rows_captured"]) > 0, way
+        for label in ("gen", "again", "declined"):
+            keys = sorted(k[: -len("_ids")] for k in t if k.startswith(f"{way}/{label}_") and k.endswith("_ids"))
+            assert len(keys) == 4, (way, label, keys)
+            for key in keys:
+                assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
+        if way == "placer":  # the first way starts without row files: two made while held, one reused after
+            assert m["files_created_while_held"] == "2" and m["files_created"] == "2" and m["files_reused"] == "1"
+        else:  # the second starts with the first way's files, let go: it writes into files used before
+            assert int(m["files_reused"]) >= 2, m
 
 
 def test_bf16_storage_rows_match_hf(tiny_models):

