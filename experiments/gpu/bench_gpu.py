@@ -20,7 +20,9 @@ differ: ``--pin together`` puts every engine on the same cores, which take turns
 ``--pin fastest`` probes the cores first and uses the quickest: a host's cores differed up to 2x);
 ``--variant NAME`` (repeatable) one more capturing engine built another way
 (:data:`CAPTURE_VARIANTS`: eager step copies, rows placed only at the fetch, batches of up to 64
-steps).
+steps). ``--rounds K`` repeats the whole paired run K times, each in a fresh process with fresh
+engines, and reports the median of the rounds' ratios (identical engines of one run differed by
+4-8%: a single run measures its processes as much as capture).
 
     python -m experiments.gpu.bench_gpu --shape smollm2 --tokenizer .gpu/tok --out "$OUT"
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.gpu.bench_gpu --shape llama8b --paired [--split --aa] --pin ...
