@@ -8,6 +8,13 @@ from typing import Sequence
 import torch
 
 from reference import hf_rows, relative_error
+from uhead_vllm.models import model_identity
+
+
+def layers_for(model: Path) -> tuple[int, ...]:
+    """The first, middle and last HF hidden-state index of ``model``."""
+    n = model_identity(model)["num_hidden_layers"]
+    return (0, n // 2, n)
 
 
 def check_raw_rows(model: Path, sequences: dict[int, Sequence[int]], tags: torch.Tensor,

@@ -28,6 +28,7 @@ set_env_defaults()
 from uhead_vllm._testing import TINY_MODEL_VERSION, build_tiny_model  # noqa: E402
 from uhead_vllm.models import embedded_model_path  # noqa: E402
 from serving_server import client, head_path, server  # noqa: E402,F401  (one serving session for the suite)
+from multiprocess_engine import multiprocess_run  # noqa: E402,F401  (one multiprocess engine for the suite)
 
 # name -> (arch, vocab_pad)
 TINY_MODEL_SPECS: dict[str, tuple[str, int]] = {

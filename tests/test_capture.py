@@ -7,11 +7,6 @@ long prompt, four samples of one prompt, layers 0 / middle / last, fp32 and bf16
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from vllm import SamplingParams
 
-from capture_checks import check_raw_rows
+from capture_checks import check_raw_rows, layers_for
 from reference import BF16_TOL, FP32_TOL, assert_rows_match
 from conftest import make_vllm_kwargs
 from uhead_vllm.capture.protocol import RequestTag
@@ -27,11 +22,6 @@ from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstall
 from uhead_vllm.models import model_identity
 
 LONG = "12 + 7 = 19 and the cat sat on the mat. " * 8  # > 64 tokens: split by chunked prefill
-
-
-def layers_for(model: Path) -> tuple[int, ...]:
-    n = model_identity(model)["num_hidden_layers"]
-    return (0, n // 2, n)
 
 
 def run_tagged(llm, client, prompts, n=1, max_tokens=12, temperature=0.8):
@@ -111,19 +101,13 @@ def test_compiled_mode_rows_match_hf(tiny_models):
 
 
 @pytest.mark.multiproc
-def test_multiprocess_rows_match_hf(tiny_models, tmp_path):
+def test_multiprocess_rows_match_hf(multiprocess_run):
     """Engine core and worker in their own processes (qwen3, eager; compiled: the in-process test
     above and the GPU TP=2 test). The generator's calls run twice on the one engine: rows placed by
     the host placer, then written by the worker with the torch scatter a GPU runs
     (capture/file_writer.py), here on the CPU."""
-    model = tiny_models["qwen3"]
-    layers = layers_for(model)
-    out = tmp_path / "rows.safetensors"
-    script = Path(__file__).parent / "scripts" / "capture_in_subprocess.py"
-    env = {k: v for k, v in os.environ.items() if k != "UHEAD_FILE_WRITES"}  # the script chooses per call
-    proc = subprocess.run([sys.executable, str(script), str(model), str(out), "eager", json.dumps(list(layers))],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    multiprocess_run.check_ran()
+    model, layers, out = multiprocess_run.model, multiprocess_run.layers, multiprocess_run.rows
     t = load_file(str(out))
     seqs = {i: t[f"seq_{i}"].tolist() for i in range(3)}
     check_raw_rows(model, seqs, t["tags"], t["positions"], t["token_ids"], t["hidden"], layers, 1e-4)

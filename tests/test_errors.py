@@ -111,21 +111,12 @@ def test_every_package_error_is_a_uhead_error():
 
 
 @pytest.mark.multiproc
-def test_dead_engine_is_reported_as_dead(tiny_models, tmp_path):
-    """Kill the engine core of a multiprocess engine: both a generate call and a new generator
-    name a dead engine, not a missing capture extension."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "dead.json"
-    script = Path(__file__).parent / "scripts" / "dead_engine.py"
-    import os
-
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # this checkout's package
-    proc = subprocess.run([sys.executable, str(script), str(tiny_models["llama"]), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+def test_dead_engine_is_reported_as_dead(multiprocess_run):
+    """Kill the engine core of a multiprocess engine (the session's, multiprocess_engine.py, once
+    its capture checks ran): both a generate call and a new generator name a dead engine, not a
+    missing capture extension."""
+    multiprocess_run.check_ran()
+    result = json.loads(multiprocess_run.dead.read_text())
     for what in ("generate", "client"):
         assert result[what] and result[what].startswith("uhead_vllm.errors.EngineDeadError"), result
 

@@ -1,6 +1,6 @@
 """Run capture with the engine core and worker as separate processes; save rows for the test.
 
-Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled LAYERS_JSON
+Usage: python capture_in_subprocess.py MODEL OUT.safetensors eager|compiled LAYERS_JSON [DEAD.json]
 The test process compares the rows with Hugging Face; only safetensors cross the process boundary.
 Then the generator runs on the same engine: its rows are placed by the worker (engine core process)
 into a shared-memory buffer while vLLM generates (a sample's prompt rows that vLLM took from its
@@ -8,6 +8,8 @@ prefix cache, from the request that computed them), and are saved too; so are th
 later call written into a shared file used before, and of a call whose worker declined the file.
 The generator's calls run twice on the one engine: rows placed by the host placer, then written by
 the worker with the torch scatter a GPU runs (capture/file_writer.py), here on the CPU.
+With DEAD.json, the engine core is then killed and the error each call names is written there:
+{"generate": <error>, "client": <error>}.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
@@ -49,6 +52,38 @@ def main() -> None:
         os.environ[FILE_WRITES_ENV] = writes
         meta.update({f"{way}.{k}": v for k, v in generator_calls(llm, prompts, tensors, way).items()})
     save_file(tensors, out, metadata=meta)
+    if len(sys.argv) > 5:
+        report_dead_engine(llm, sys.argv[5])
+
+
+def report_dead_engine(llm, path: str) -> None:
+    """Kill the engine core; write how a generate call and a new generator name the failure."""
+    import psutil
+    from vllm import SamplingParams
+
+    from uhead_vllm.generation import VllmHiddenStatesGenerator
+
+    gen = VllmHiddenStatesGenerator(llm)
+    for child in psutil.Process().children(recursive=True):
+        if "EngineCore" in child.name():
+            child.kill()
+    # Wait until vLLM's monitor thread has marked the engine dead: a generate call made before
+    # that hangs inside vLLM 0.32 (a race of its own, not ours).
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    deadline = time.monotonic() + 60
+    while resources is not None and not resources.engine_dead and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result = {}
+    for what, call in [("generate", lambda: gen.generate(["the cat sat"], SamplingParams(max_tokens=3))),
+                       ("client", lambda: VllmHiddenStatesGenerator(llm))]:
+        try:
+            call()
+            result[what] = None
+        except Exception as exc:  # noqa: BLE001  (reported to the test)
+            result[what] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    with open(path, "w") as fh:
+        json.dump(result, fh)
+    os._exit(0)  # the dead engine's shutdown hooks would only add noise
 
 
 def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[str, str]:
