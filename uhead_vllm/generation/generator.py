@@ -224,6 +224,7 @@ class VllmHiddenStatesGenerator:
         self.streams = engine_internals.residual_streams(self.llm)
         # Width of one column of a row: a multi-stream model's streams side by side (S * H).
         self.hidden_size = engine_internals.hidden_size(self.llm) * self.streams
+        self.num_decoder_layers = engine_internals.num_decoder_layers(self.llm)  # read once, not per prompt
         self.store = PrefixRowStore(self.block_size, store_max_bytes)
         self.step_cache = StepCache(step_cache_max_idle)
         self.strict = strict
@@ -296,7 +297,7 @@ class VllmHiddenStatesGenerator:
         settings = self.client.settings
         return steer_request(sp.extra_args, rendered[0], rendered[1], index=index,
                              engine_steers=bool(getattr(settings, "steering", False)),
-                             num_layers=engine_internals.num_decoder_layers(self.llm), hidden_size=self.hidden_size,
+                             num_layers=self.num_decoder_layers, hidden_size=self.hidden_size,
                              tokenize=lambda text: self.tokenizer(text)["input_ids"])
 
     # ------------------------------------------------------------------ main entry
