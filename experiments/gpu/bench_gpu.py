@@ -390,9 +390,13 @@ def median_ratio_interval(a: list[float], b: list[float], level: float = 0.95, s
     if x.shape != y.shape or x.size < 2:
         raise ValueError(f"need two equally long series of at least 2 runs, got {x.size} and {y.size}")
     picks = np.random.default_rng(seed).integers(0, x.size, size=(BOOTSTRAP_DRAWS, x.size))
-    ratios = np.median(x[picks], axis=1) / np.median(y[picks], axis=1)
+    return central_interval(np.median(x[picks], axis=1) / np.median(y[picks], axis=1), level)
+
+
+def central_interval(draws: np.ndarray, level: float) -> tuple[float, float]:
+    """The range holding the middle ``level`` of bootstrap ``draws``."""
     tail = (1 - level) / 2
-    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
+    return float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail))
 
 
 def pooled_ratio(seconds: dict[str, list[float]]) -> tuple[float, tuple[float, float]]:
@@ -419,8 +423,7 @@ def across_rounds(ratios: list[float], level: float = 0.95, seed: int = 0) -> tu
     if x.size < 2:
         raise ValueError(f"need at least 2 rounds, got {x.size}")
     draws = np.median(x[np.random.default_rng(seed).integers(0, x.size, size=(BOOTSTRAP_DRAWS, x.size))], axis=1)
-    tail = (1 - level) / 2
-    return float(np.median(x)), (float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail)))
+    return float(np.median(x)), central_interval(draws, level)
 
 
 def rounds_report(results: list[dict[str, Any]], shape: str, meta: dict[str, Any]) -> str:
