@@ -179,6 +179,38 @@ def test_one_group_of_thousands_of_requests_stays_small_and_every_member_gets_th
     assert b[:, 3].tolist() == own and bool((b[:, 4] == 0).all())  # each prompt's own row, nothing past it
 
 
+def test_when_members_forward_one_shared_prefix_together_each_other_place_gets_the_last_of_their_rows():
+    """A first prefill: several members of nested groups forward the same prompt positions in one
+    step. The placer fans out only the last row per group and position; every place must still end
+    as a row-by-row reference says (rows in step order, each onto every other member of the largest
+    group whose limit is above its position, never over a member's own row; the last write wins)."""
+    tags, size = list(range(8)), 6
+    groups = [(2, tuple(tags)), (5, (0, 1, 2, 3)), (5, (4, 5, 6, 7))]
+    dest = RowDestination(torch.zeros(size * len(tags), 1, 1), {t: (size * t, size) for t in tags}, groups)
+    forwards = {0: range(5), 1: range(5), 4: range(5), 5: range(2, 5), 6: range(5), 2: [4], 7: [4]}
+    order = [(t, p) for t in (0, 4, 1, 5, 6, 2, 7) for p in forwards[t]]
+    rows = torch.arange(1.0, len(order) + 1).view(-1, 1, 1)  # each row its own value: the winner shows
+    placer = Placer()
+    placer.submit(None, dest, rows, meta([p for _, p in order]),
+                  slots([size * t for t in (0, 4, 1, 5, 6, 2, 7)], [size] * 7, [len(forwards[t]) for t in (0, 4, 1, 5, 6, 2, 7)],
+                        [dest.group_row[t] for t in (0, 4, 1, 5, 6, 2, 7)]))
+    assert placer.drain()[0] is None
+    expected = torch.zeros(size * len(tags))
+    own = {(t, p) for t, p in order}
+    for value, (t, p) in enumerate(order, start=1):
+        expected[size * t + p] = value
+    for value, (t, p) in enumerate(order, start=1):
+        members = next(g for limit, g in groups if t in g and limit > p) if p < 5 else ()  # the largest first
+        for m in members:
+            if m != t and (m, p) not in own:
+                expected[size * m + p] = value
+    assert torch.equal(dest.buffer.flatten(), expected)
+    # tag 3 forwarded nothing: its first two rows came from the outer group's last forwarder (tag 6),
+    # the next two from its own group's (tag 1); tag 5's first two from tag 6 as well
+    assert dest.buffer.flatten()[size * 3 : size * 3 + 4].tolist() == [order.index((6, 0)) + 1, order.index((6, 1)) + 1,
+                                                                      order.index((1, 2)) + 1, order.index((1, 3)) + 1]
+
+
 def test_prefix_groups_must_fit_their_members_slots_and_nest():
     with pytest.raises(ValueError, match="at least 4 rows"):
         RowDestination(torch.zeros(6, 1, 1), {1: (0, 3), 2: (3, 3)}, [(4, (1, 2))])

@@ -120,6 +120,7 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, po
     # Limits grow inward (outer groups first): skip the groups too short for the position.
     depth = (dest.chain_limit[k[shared]] <= pos[shared, None]).sum(1)
     group = dest.chain[k[shared], depth]
+    shared, group = _last_per_group_position(shared, group, pos[shared])
     lo, hi = dest.group_span[group, 0], dest.group_span[group, 1]
     count = hi - lo
     member = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - lo, count)
@@ -134,6 +135,27 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, po
         b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
         dest.byte_rows[to[a:b]] = rows[source[a:b]]
         dest.marks[to[a:b]] = marks[a:b]
+
+
+def _last_per_group_position(shared: np.ndarray, group: np.ndarray, pos: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """Of the rows ``shared`` (in step order) that fan out to one group at one position, the last.
+
+    Members that forward a shared prefix in the same step (the usual first prefill: none of them
+    is cached yet) each bring a row for every other member's place, all of one token at one
+    position; those places keep only the last such row, so the earlier rows need no fan-out.
+    Without this a first prefill of 256 requests sharing a 16-token block expanded to ~1M
+    (row, member) pairs of index arithmetic, each then dropped as a place its own request wrote.
+    The rows written are the same bit for bit: per place the last candidate of the group still wins.
+    """
+    if shared.size < 2:
+        return shared, group
+    key = group.astype(np.int64) * (int(pos.max()) + 1) + pos
+    last = np.unique(key[::-1], return_index=True)[1]
+    if last.size == key.size:
+        return shared, group
+    kept = np.sort(key.size - 1 - last)
+    return shared[kept], group[kept]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
