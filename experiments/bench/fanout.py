@@ -5,10 +5,14 @@ The paired GPU bench's SmolLM2 workload (64 chat prompts x n=4, 128 tokens each,
 its prompts share one 16-token block (the chat template) across all 256 requests and each
 prompt's tokens across its 4 samples. The device writes every row into its own place; then the
 placer copies each prompt row a member forwarded into the places of the members that did not
-(``placer.share_written_rows``). Two first-prefill layouts, timed on the host (no engine):
-``one step``, all 256 requests forward their whole prompts in one step (a token budget over
-~16k: nobody is served from the prefix cache yet, so every place is its own request's);
-``two steps``, 130 requests first, the rest after, served the shared block from the cache.
+(``placer.share_written_rows``). Three first-prefill layouts, timed on the host (no engine):
+``vLLM V1``, what the GPU runs showed (``rows_from_shared_prefix`` 10,480 a call): one step in
+which vLLM's scheduler counts a full block as cached once an earlier request of the step was given
+it, so each request forwards its prompt from its longest full-block prefix shared with an earlier
+request (the whole prompt shared: all but its last partial block); ``whole prompts``, every
+request forwards its whole prompt in one step (nothing cached), so every place is its own
+request's; ``two steps``, 130 requests forward whole prompts, the rest after, served the shared
+block from the cache.
 
 Rows and marks are hashed so that runs at different commits can be compared bit for bit.
 Writes ``experiments/results/bench/fanout.{json,md}`` stamped with the commit and command.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -59,16 +64,31 @@ def workload() -> tuple[list[list[int]], object]:
     return ids, dest
 
 
-def prefill(ids: list[list[int]], dest, requests: range, cached: int) -> tuple[torch.Tensor, object]:
-    """One step's metadata and chunk slots: ``requests`` forward their prompts from ``cached`` on."""
+def cached_at_allocation(ids: list[list[int]]) -> dict[int, int]:
+    """Per request, the prompt tokens vLLM V1 serves from blocks an earlier request of the same
+    step was given: its longest common prefix with an earlier request in whole blocks, at most
+    the full blocks before its last token (the last token is always forwarded)."""
+    cached, seen = {}, []
+    for t in range(len(ids) * SAMPLES):
+        prompt = ids[t // SAMPLES]
+        common = max((len(os.path.commonprefix([prompt, other])) for other in seen), default=0)
+        cached[t] = min(common, len(prompt) - 1) // BLOCK * BLOCK
+        seen.append(prompt)
+    return cached
+
+
+def prefill(ids: list[list[int]], dest, requests: range, cached: int | dict[int, int]) -> tuple[torch.Tensor, object]:
+    """One step's metadata and chunk slots: ``requests`` forward their prompts from ``cached`` on
+    (one count for all, or per request)."""
     from uhead_vllm.capture.placer import ChunkSlots
 
     positions, tokens, chunks = [], [], []
     for t in requests:
         prompt = ids[t // SAMPLES]
-        positions += range(cached, len(prompt))
-        tokens += prompt[cached:]
-        chunks.append((dest.slots[t][0], dest.slots[t][1], len(prompt) - cached, dest.group_row.get(t, -1)))
+        start = cached if isinstance(cached, int) else cached[t]
+        positions += range(start, len(prompt))
+        tokens += prompt[start:]
+        chunks.append((dest.slots[t][0], dest.slots[t][1], len(prompt) - start, dest.group_row.get(t, -1)))
     return torch.tensor([positions, tokens]), ChunkSlots(*(np.asarray(c, dtype=np.int64) for c in zip(*chunks)))
 
 
@@ -102,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     ids, dest = workload()
     n = PROMPTS * SAMPLES
-    layouts = {"one step": [prefill(ids, dest, range(n), 0)],
+    layouts = {"vLLM V1": [prefill(ids, dest, range(n), cached_at_allocation(ids))],
+               "whole prompts": [prefill(ids, dest, range(n), 0)],
                "two steps": [prefill(ids, dest, range(130), 0), prefill(ids, dest, range(130, n), BLOCK)]}
     result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.fanout", *sys.argv[1:]]),
               "workload": f"{PROMPTS} prompts x n={SAMPLES}, block {BLOCK}, rows {SHAPE} bf16",
