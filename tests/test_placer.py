@@ -592,22 +592,3 @@ def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
     assert unnamed[-1] == "failed"
     assert Placement(None).settle() is None
 
-
-@pytest.mark.parametrize("run_length", [1, 3, 16])
-def test_shared_rows_are_copied_pair_by_pair_whether_as_runs_or_by_index(run_length):
-    """``_copy_rows`` copies runs of consecutive pairs as slices (long runs) or by index (short
-    ones); either way every target place gets its source row and nothing else changes."""
-    from uhead_vllm.capture.placer import MIN_RUN_ROWS, _copy_rows
-
-    rng = np.random.default_rng(run_length)
-    rows = rng.integers(0, 255, (200, 6), dtype=np.uint8)
-    runs = 12
-    source = np.concatenate([np.arange(s, s + run_length) for s in rng.choice(200 - run_length, runs)])
-    to = np.concatenate([np.arange(t, t + run_length) for t in 40 * np.arange(runs)])  # distinct places
-    target = np.zeros((40 * runs, 6), dtype=np.uint8)
-    expected = target.copy()
-    for t, s in zip(to, source):
-        expected[t] = rows[s]
-    _copy_rows(target, rows, to, source)
-    assert (run_length >= MIN_RUN_ROWS) == (run_length == 16)  # both ways are exercised
-    assert np.array_equal(target, expected)

@@ -22,10 +22,8 @@ import torch
 from .protocol import RowDestination, shared_mark
 
 
-#: Rows copied per numpy assignment when shared prompt rows fan out by index (short runs).
+#: Rows copied per numpy assignment when a shared prompt row fans out to the members of a group.
 SHARED_WRITES_PER_COPY = 8192
-#: Shared rows fan out as runs (one slice copy each) while runs average at least this many rows.
-MIN_RUN_ROWS = 4
 #: Most queued steps the placer thread takes on one wake-up.
 MAX_STEPS_PER_WAKE = 32
 #: A measuring aid: set to ``1`` in the engine's environment to place a generation's rows only
@@ -131,28 +129,12 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, po
     to, src = dest.member_first[member[other]] + pos[src[other]], src[other]
     free = dest.marks[to] < 0  # not a row its own request forwarded
     to, src = to[free], src[free]
-    dest.marks[to] = shared_mark(tokens[src])
-    _copy_rows(dest.byte_rows, rows, to, row_at[src])
-
-
-def _copy_rows(target: np.ndarray, rows: np.ndarray, to: np.ndarray, source: np.ndarray) -> None:
-    """``target[to[j]] = rows[source[j]]`` for every j, the places distinct. A member's shared
-    prompt rows are consecutive on both sides, so the pairs are copied as runs, one slice each (one
-    copy of the bytes, without the GIL); indexing row by row gathers every row into a temporary
-    first, and took twice as long (``experiments/bench/fanout.py``). Pairs that form short runs
-    are copied by index, in bounded temporaries."""
-    if not to.size:
-        return
-    breaks = np.flatnonzero((np.diff(to) != 1) | (np.diff(source) != 1)) + 1
-    if breaks.size * MIN_RUN_ROWS <= to.size:
-        starts = np.concatenate(([0], breaks))
-        lens = np.diff(np.concatenate((starts, [to.size])))
-        for t, s, n in zip(to[starts].tolist(), source[starts].tolist(), lens.tolist()):
-            target[t : t + n] = rows[s : s + n]
-        return
-    for a in range(0, to.size, SHARED_WRITES_PER_COPY):
-        b = a + SHARED_WRITES_PER_COPY
-        target[to[a:b]] = rows[source[a:b]]
+    marks = shared_mark(tokens[src])
+    source = row_at[src]
+    for a in range(0, len(src), SHARED_WRITES_PER_COPY):  # a shared block fans out to every member:
+        b = a + SHARED_WRITES_PER_COPY                    # bounded temporaries, not one of all copies
+        dest.byte_rows[to[a:b]] = rows[source[a:b]]
+        dest.marks[to[a:b]] = marks[a:b]
 
 
 def _last_per_group_position(shared: np.ndarray, group: np.ndarray, pos: np.ndarray
