@@ -591,4 +591,3 @@ def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
         Placement(dest, fails, lambda: unnamed.append("failed")).settle()
     assert unnamed[-1] == "failed"
     assert Placement(None).settle() is None
-
