@@ -187,13 +187,13 @@ def test_when_members_forward_one_shared_prefix_together_each_other_place_gets_t
     tags, size = list(range(8)), 6
     groups = [(2, tuple(tags)), (5, (0, 1, 2, 3)), (5, (4, 5, 6, 7))]
     dest = RowDestination(torch.zeros(size * len(tags), 1, 1), {t: (size * t, size) for t in tags}, groups)
-    forwards = {0: range(5), 1: range(5), 4: range(5), 5: range(2, 5), 6: range(5), 2: [4], 7: [4]}
-    order = [(t, p) for t in (0, 4, 1, 5, 6, 2, 7) for p in forwards[t]]
+    forwards = {0: range(5), 4: range(5), 1: range(5), 5: range(2, 5), 6: range(5), 2: [4], 7: [4]}  # in step order
+    order = [(t, p) for t in forwards for p in forwards[t]]
     rows = torch.arange(1.0, len(order) + 1).view(-1, 1, 1)  # each row its own value: the winner shows
     placer = Placer()
     placer.submit(None, dest, rows, meta([p for _, p in order]),
-                  slots([size * t for t in (0, 4, 1, 5, 6, 2, 7)], [size] * 7, [len(forwards[t]) for t in (0, 4, 1, 5, 6, 2, 7)],
-                        [dest.group_row[t] for t in (0, 4, 1, 5, 6, 2, 7)]))
+                  slots([size * t for t in forwards], [size] * len(forwards), [len(f) for f in forwards.values()],
+                        [dest.group_row[t] for t in forwards]))
     assert placer.drain()[0] is None
     expected = torch.zeros(size * len(tags))
     own = {(t, p) for t, p in order}

@@ -46,7 +46,7 @@ def workload() -> tuple[list[list[int]], object]:
     from transformers import AutoTokenizer
 
     from uhead_vllm.capture.protocol import RowDestination
-    from uhead_vllm.generation.prefix_groups import prefix_groups
+    from uhead_vllm.generation.prefix_groups import groups_within_slots, prefix_groups
     from uhead_vllm.models import embedded_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
@@ -58,9 +58,7 @@ def workload() -> tuple[list[list[int]], object]:
             first += len(prompt) + TOKENS
     shared = prefix_groups([(b"", prompt, tuple(range(SAMPLES * i, SAMPLES * i + SAMPLES)))
                             for i, prompt in enumerate(ids)], BLOCK)
-    groups = [(min([limit] + [slots[t][1] for t in tags]), tags) for limit, tags in shared]
-    dest = RowDestination(torch.zeros((first, *SHAPE), dtype=torch.bfloat16), slots,
-                          [(limit, tags) for limit, tags in groups if limit > 0])
+    dest = RowDestination(torch.zeros((first, *SHAPE), dtype=torch.bfloat16), slots, groups_within_slots(shared, slots))
     return ids, dest
 
 

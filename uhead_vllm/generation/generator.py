@@ -27,7 +27,7 @@ from ..errors import UheadError
 from .assembly import place_rows
 from .backends import Placement, open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
-from .prefix_groups import prefix_groups
+from .prefix_groups import groups_within_slots, prefix_groups
 from .prefix_store import PrefixRowStore, buffer_address, copy_all, held_bytes
 from .step_cache import StepCache, StepRecord
 from .steering import CAPTURE_CACHE_SALT, SteeredRequest, steer_request, step_key
@@ -500,9 +500,7 @@ class VllmHiddenStatesGenerator:
             return Placement(None)
         shared = prefix_groups([(steering[tags[0]].salt.encode(), ids_of[i], tags) for i, tags in tags_of.items()],
                                self.block_size)
-        groups = [(min([limit] + [slots[t][1] for t in tags]), tags) for limit, tags in shared]
-        return self.client.place_into(slots, (first, self.columns, self.hidden_size),
-                                      [(limit, tags) for limit, tags in groups if limit > 0])
+        return self.client.place_into(slots, (first, self.columns, self.hidden_size), groups_within_slots(shared, slots))
 
     def _place_first_pass(self, seqs: list[_Seq], tags: list[int], lens: np.ndarray, captured: CapturedRows,
                           destination: RowDestination | None, rendered: list[tuple[Any, str]]

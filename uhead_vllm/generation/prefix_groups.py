@@ -45,3 +45,12 @@ def prefix_groups(prompts: Sequence[tuple[bytes, Sequence[int], Sequence[int]]],
             seen.add(frozenset(tags))
             groups.append(((depth + 1) * block_size, tags))
     return groups
+
+
+def groups_within_slots(groups: Sequence[tuple[int, tuple[int, ...]]], slots: dict[int, tuple[int, int]]
+                        ) -> list[tuple[int, tuple[int, ...]]]:
+    """``groups`` (of :func:`prefix_groups`) as a ``RowDestination`` takes them: each limit cut to
+    its members' slot capacities (``slots[tag] = (first row, capacity)``: rows past a slot are never
+    written), groups left with no row dropped."""
+    cut = [(min([limit] + [slots[t][1] for t in tags]), tags) for limit, tags in groups]
+    return [(limit, tags) for limit, tags in cut if limit > 0]
