@@ -13,7 +13,7 @@ from vllm import SamplingParams
 from conftest import make_vllm_kwargs
 from reference import assert_rows_match
 from uhead_vllm.adapters import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version
-from uhead_vllm.adapters.versions import ALLOW_UNSUPPORTED_ENV
+from uhead_vllm.envs import ALLOW_UNSUPPORTED_ENV
 from uhead_vllm.generation import CaptureError, VllmHiddenStatesGenerator, build_llm
 
 PACKAGE = Path(__file__).resolve().parents[1] / "uhead_vllm"

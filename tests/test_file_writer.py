@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from uhead_vllm.capture import file_writer, scatter_kernel
-from uhead_vllm.capture.file_writer import FILE_WRITES_ENV, FileWriter, RegisteredFiles
+from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
+from uhead_vllm.envs import FILE_WRITES_ENV
 from uhead_vllm.capture.placer import ChunkSlots, place_step, share_written_rows
 from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file_views
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from uhead_vllm.features import FeatureRecipe
 from uhead_vllm.heads import HeadMismatchError, LinearProbeHead, default_head_dir, load_head, load_head_for_model
-from uhead_vllm.heads.base import ALLOW_OTHER_WEIGHTS_ENV
+from uhead_vllm.envs import ALLOW_OTHER_WEIGHTS_ENV
 from uhead_vllm.models import model_identity, weights_fingerprint
 
 LAYERS = [2, 4]

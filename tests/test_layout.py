@@ -87,3 +87,40 @@ def test_readme_layout_table_names_every_top_level_module() -> None:
     children = {p.name if p.is_dir() else p.name for p in PACKAGE.iterdir()
                 if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or (p / "__init__.py").is_file())}
     assert children - named == set()
+
+
+def test_every_error_class_lives_in_errors_py_and_derives_from_uhead_error() -> None:
+    """One place for errors (as scikit-learn's ``exceptions.py``): a class named ``*Error`` or
+    deriving from an exception is defined in ``uhead_vllm/errors.py`` only, and every one there
+    derives from ``UheadError``."""
+    import inspect
+
+    import uhead_vllm.errors as errors
+
+    elsewhere = []
+    for path in _library_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            bases = [ast.unparse(b) for b in getattr(node, "bases", [])]
+            if isinstance(node, ast.ClassDef) and (node.name.endswith(("Error", "Exception"))
+                                                   or any(b.endswith(("Error", "Exception")) for b in bases)):
+                if path.name != "errors.py":
+                    elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert elsewhere == []
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert len(classes) >= 20
+    assert [c.__name__ for c in classes if not issubclass(c, errors.UheadError)] == []
+
+
+def test_environment_variables_are_read_in_envs_py_only() -> None:
+    """Every variable of the package's own is named and read in ``uhead_vllm/envs.py`` (as
+    ``vllm/envs.py``); elsewhere ``os.environ`` only sets other programs' defaults (vLLM, torch)."""
+    readers = []
+    for path in _library_modules():
+        if path.name == "envs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("UHEAD"):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+    assert readers == []

@@ -14,6 +14,7 @@ import torch
 
 from uhead_vllm.capture.placer import ChunkSlots, Placer, place_step
 from uhead_vllm.capture.protocol import RowDestination
+from uhead_vllm.envs import STEP_BATCH_ENV
 
 
 class Gate:
@@ -564,10 +565,10 @@ def test_the_batch_limits_come_from_the_engine_environment_when_given(monkeypatc
         return batcher.max_steps, batcher.flush_rows
 
     assert limits() == (step_batch.MAX_STEPS, step_batch.FLUSH_ROWS)
-    monkeypatch.setenv(step_batch.STEP_BATCH_ENV, "16,1000000")
+    monkeypatch.setenv(STEP_BATCH_ENV, "16,1000000")
     assert limits() == (16, 1000000)
     for bad in ("16", "a,b", "0,5"):
-        monkeypatch.setenv(step_batch.STEP_BATCH_ENV, bad)
+        monkeypatch.setenv(STEP_BATCH_ENV, bad)
         with pytest.raises(ValueError, match="STEPS,ROWS"):
             limits()
 

@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Any, Sequence
 
-from .errors import UheadError, worker_errors
+from .errors import UheadError
 from .runtime import set_env_defaults
 from .tasks import EXAMPLE_QUESTIONS
 
@@ -174,8 +174,6 @@ def error_exit_code(exc: BaseException) -> int | None:
     """
     if isinstance(exc, UheadError):
         return exc.exit_code
-    if isinstance(exc, worker_errors()):
-        return 1
     if isinstance(exc, (ValueError, FileNotFoundError, FileExistsError)):
         return 2
     return None

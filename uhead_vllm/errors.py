@@ -1,15 +1,15 @@
-"""The package's base exception.
+"""Every error uhead_vllm raises on purpose, in one module (as scikit-learn's ``exceptions.py``).
 
-Every error uhead_vllm raises on purpose derives from :class:`UheadError` (and from the builtin
-it always derived from, so existing ``except ValueError`` code keeps working); the CLI turns each
-into one line and an exit code instead of a traceback. Errors of the worker side
-(``uhead_vllm.capture``), which imports nothing from the rest of the package, are listed in
-:data:`WORKER_ERRORS` instead.
+Each derives from :class:`UheadError` and from the builtin it always derived from, so existing
+``except ValueError`` code keeps working; the CLI turns each into one line and an exit code
+instead of a traceback. This module imports nothing from the package, so the worker side
+(``uhead_vllm.capture``, which imports nothing engine-side) raises these too.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
 
@@ -41,6 +41,91 @@ class MissingExtraError(UheadError, ImportError):
     exit_code: ClassVar[int] = 2
 
 
+# -- bad input (exit code 2) ----------------------------------------------------------------------
+
+
+class UnsupportedVllmError(InputError, RuntimeError):
+    """The installed vLLM is outside the checked range, or lacks an internal capture relies on."""
+
+
+class ModelNotAvailableError(InputError, RuntimeError):
+    """Raised when a model cannot be found or prepared offline."""
+
+
+class UnsupportedModelError(InputError, NotImplementedError):
+    """The model's architecture cannot be captured exactly (said before the engine is built)."""
+
+
+class CaptureNotInstalledError(InputError, RuntimeError):
+    """The vLLM engine was built without the uhead_vllm worker extension."""
+
+
+class SteeringError(InputError, ValueError):
+    """A request's ``uhead_steer`` spec is malformed, or the engine was built without steering."""
+
+
+class HeadMismatchError(InputError, ValueError):
+    """A saved head does not fit the model, layers or feature size it is being loaded for."""
+
+
+class HeadFormatError(InputError, ValueError):
+    """A head folder is damaged or incomplete (missing file, invalid JSON, unreadable weights)."""
+
+    def __init__(self, path: str | Path, problem: str):
+        super().__init__(f"{path} is not a complete uncertainty head: {problem}; save it again "
+                         "(head.save(dir)) or retrain it (`uhead-vllm train`)")
+
+
+class HeadNotFoundError(InputError, FileNotFoundError):
+    """The configured head directory (or one of its files) does not exist."""
+
+
+class DatasetError(InputError, ValueError):
+    """A dataset directory is missing, incomplete or not in the expected format."""
+
+
+class DatasetColumnError(InputError, KeyError):
+    """A configured dataset column is not in the CSV file."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes
+        return str(self.args[0])
+
+
+class LogprobsMissingError(InputError, ValueError):
+    """vLLM returned no logprobs: the sampling params were built without ``logprobs=k``."""
+
+
+class BadUncertaintyRequest(InputError, ValueError):
+    """The client's request cannot be served as asked (answered with HTTP 400)."""
+
+
+# -- failures while running (exit code 1) ---------------------------------------------------------
+
+
+class CaptureError(UheadError, RuntimeError):
+    """The worker reported a capture failure (e.g. memory budget). ``outputs`` keeps vLLM's results."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class MissingRowsError(UheadError, RuntimeError):
+    """Strict mode: some rows were skipped by the prefix cache and are not in the store."""
+
+
+class SteerSpecError(UheadError, ValueError):
+    """A steering spec that cannot be applied (says which term and why)."""
+
+
+class UnknownArchitectureError(UheadError, NotImplementedError):
+    """The model has no aux hidden-state interface and no entry in :data:`ARCHITECTURES`."""
+
+
+class EngineDefectError(UheadError, NotImplementedError):
+    """vLLM computes wrong hidden states for this architecture on this build; capture is refused."""
+
+
 #: Optional packages -> (pip name, extra that brings it).
 EXTRAS: dict[str, tuple[str, str]] = {
     "reasoning_gym": ("reasoning-gym", "study"),
@@ -65,11 +150,3 @@ def require(module: str, feature: str) -> ModuleType:
             f"{feature} needs the package '{pip_name}', which is not installed "
             f"({type(e).__name__}: {e}). Install the extra: pip install 'uhead-vllm[{extra}]'"
         ) from e
-
-
-def worker_errors() -> tuple[type[BaseException], ...]:
-    """Errors raised by the worker-side capture code (kept free of engine-side imports)."""
-    from .capture.architectures import EngineDefectError, UnknownArchitectureError
-    from .capture.steering import SteerSpecError
-
-    return (EngineDefectError, UnknownArchitectureError, SteerSpecError)

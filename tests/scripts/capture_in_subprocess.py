@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from vllm import SamplingParams
 
-    from uhead_vllm.capture.file_writer import FILE_WRITES_ENV
+    from uhead_vllm.envs import FILE_WRITES_ENV
     from uhead_vllm.capture.protocol import RequestTag
     from uhead_vllm.generation import CaptureClient, build_llm
 

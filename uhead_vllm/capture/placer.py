@@ -9,7 +9,6 @@ step is placed right away, in the caller's thread.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import envs
 from .protocol import RowDestination, shared_mark
 
 
@@ -26,10 +26,6 @@ from .protocol import RowDestination, shared_mark
 SHARED_WRITES_PER_COPY = 8192
 #: Most queued steps the placer thread takes on one wake-up.
 MAX_STEPS_PER_WAKE = 32
-#: A measuring aid: set to ``1`` in the engine's environment to place a generation's rows only
-#: when they are fetched (no thread beside the engine while it runs; the rows wait in the pinned
-#: staging ring, so a call's rows must fit it, else steps fall back to pinned allocations).
-PLACE_AT_DRAIN_ENV = "UHEAD_PLACE_AT_DRAIN"
 
 
 @dataclass
@@ -167,14 +163,14 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
 
 class Placer:
     """FIFO of steps to place; a daemon thread works it off when steps wait on a device copy
-    (with ``at_drain``, :meth:`drain` places them instead, see :data:`PLACE_AT_DRAIN_ENV`)."""
+    (with ``at_drain``, :meth:`drain` places them instead, see ``PLACE_AT_DRAIN_ENV`` (:mod:`uhead_vllm.envs`))."""
 
     def __init__(self, at_drain: bool | None = None) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._seconds = 0.0
-        self.at_drain = os.environ.get(PLACE_AT_DRAIN_ENV) == "1" if at_drain is None else at_drain
+        self.at_drain = envs.place_at_drain() if at_drain is None else at_drain
         self._held: list[tuple] = []  # at_drain: steps waiting for the drain
 
     def submit(self, ready: Any, dest: RowDestination, hidden: torch.Tensor | None, meta: torch.Tensor,

@@ -21,14 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .points import STEER_POINTS, canonical_point
+from ..errors import SteerSpecError
 
 #: Key in ``SamplingParams.extra_args``.
 STEER_KEY = "uhead_steer"
 _TOKENS = ("all", "generated")
-
-
-class SteerSpecError(ValueError):
-    """A steering spec that cannot be applied (says which term and why)."""
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ On CPU the same path runs with one host buffer and nothing in flight: a batch is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from .. import envs
 from .step_graphs import StepGraphs
 
 #: Device memory per buffer (two on a GPU): 18 decode steps of 256 requests x 3 layers of SmolLM2's
@@ -41,11 +41,6 @@ FLUSH_ROWS = 4096
 #: engine thread's recording grew (more layouts to capture) and the throughput differences were
 #: within what two identically configured engines differed by (docs/gpu.md, session 20).
 MAX_STEPS = 16
-#: Set to ``0`` in the engine's environment to keep step copies eager on a GPU (no CUDA graphs).
-STEP_GRAPHS_ENV = "UHEAD_STEP_GRAPHS"
-#: ``STEPS,ROWS`` in the engine's environment: :data:`MAX_STEPS` and :data:`FLUSH_ROWS` for its
-#: recorders (a measuring aid: ``bench_gpu --variant batch-64-steps`` measures ``64,4096``).
-STEP_BATCH_ENV = "UHEAD_STEP_BATCH"
 
 
 #: Called once per flush: ``(steps, rows, meta)`` with each step's ``(facts, rows)`` in recording
@@ -150,7 +145,7 @@ class StepBatcher:
 
     def _allocate(self, device: torch.device) -> None:
         count = 2 if device.type == "cuda" else 1
-        if device.type == "cuda" and os.environ.get(STEP_GRAPHS_ENV, "1") != "0":
+        if device.type == "cuda" and envs.step_graphs():
             self.graphs = StepGraphs(_copy_all)
         self._buffers = [_Buffer(torch.empty((self.capacity, self.columns, self.hidden), dtype=self.dtype, device=device),
                                  torch.empty((2, self.capacity), dtype=torch.int64, device=device))
@@ -158,18 +153,8 @@ class StepBatcher:
 
 
 def _batch_limits() -> tuple[int, int]:
-    """Steps and rows per batch at most: :data:`STEP_BATCH_ENV` if set, else the defaults."""
-    given = os.environ.get(STEP_BATCH_ENV)
-    if not given:
-        return MAX_STEPS, FLUSH_ROWS
-    try:
-        steps, rows = (int(x) for x in given.split(","))
-        valid = steps >= 1 and rows >= 1
-    except ValueError:
-        valid = False
-    if not valid:
-        raise ValueError(f"{STEP_BATCH_ENV}={given!r}: expected STEPS,ROWS (two positive integers)")
-    return steps, rows
+    """Steps and rows per batch at most: ``UHEAD_STEP_BATCH`` (:mod:`uhead_vllm.envs`) if set, else the defaults."""
+    return envs.step_batch() or (MAX_STEPS, FLUSH_ROWS)
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 
 from ..adapters import engine as engine_internals
 from ..adapters.versions import check_vllm_version
-from ..errors import InputError
+from ..errors import UnsupportedModelError
 from .backends import get_backend
 
 #: vLLM settings for a small model (the embedded 135M one) on a CPU: fp32 compute (no AVX512-bf16
@@ -103,10 +103,6 @@ def refuse_multi_stream(model: str, dtype: str = "bfloat16", backend: str = "aux
         raise UnsupportedModelError(
             f"{model}: {cfg.get('architectures')} keeps {streams} parallel residual streams (hyper-connections, "
             f"hc_mult), and uhead_vllm cannot capture them here: {why} (docs/capture_points.md#multi-stream-models)")
-
-
-class UnsupportedModelError(InputError, NotImplementedError):
-    """The model's architecture cannot be captured exactly (said before the engine is built)."""
 
 
 def build_generator(model: str, layers: Iterable[int], *, generator_kwargs: Mapping[str, Any] | None = None,

@@ -23,7 +23,7 @@ import torch
 from ..adapters import engine as engine_internals
 from ..capture.points import ALIASES
 from ..capture.protocol import CapturedRows, RequestTag, RowDestination, shared_mark
-from ..errors import UheadError
+from ..errors import CaptureError, MissingRowsError
 from .assembly import place_rows
 from .backends import Placement, open_capture_client, raise_if_engine_dead
 from .host_memory import host_buffer
@@ -56,18 +56,6 @@ def engine_lock(llm: Any) -> threading.RLock:
         if lock is None:
             lock = _ENGINE_LOCKS[llm] = threading.RLock()
         return lock
-
-
-class CaptureError(UheadError, RuntimeError):
-    """The worker reported a capture failure (e.g. memory budget). ``outputs`` keeps vLLM's results."""
-
-    def __init__(self, message: str, outputs: list | None = None):
-        super().__init__(message)
-        self.outputs = outputs
-
-
-class MissingRowsError(UheadError, RuntimeError):
-    """Strict mode: some rows were skipped by the prefix cache and are not in the store."""
 
 
 @dataclass

@@ -16,11 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..capture.steering import STEER_KEY, SteerSpec, SteerSpecError
-from ..errors import InputError
-
-
-class SteeringError(InputError, ValueError):
-    """A request's ``uhead_steer`` spec is malformed, or the engine was built without steering."""
+from ..errors import SteeringError
 
 
 #: vLLM ``cache_salt`` of every unsteered request the generator sends. Captured requests then

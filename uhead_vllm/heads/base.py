@@ -15,7 +15,6 @@ registry of head classes (:func:`head_class`).
 from __future__ import annotations
 
 import json
-import os
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import InputError
+from .. import envs
+from ..envs import ALLOW_OTHER_WEIGHTS_ENV
+from ..errors import HeadFormatError, HeadMismatchError
 from ..features import FeatureRecipe
 
 CONFIG_FILE = "config.json"
@@ -34,23 +35,9 @@ WEIGHTS_FILE = "weights.safetensors"
 FORMAT_VERSION = 2
 IDENTITY_KEYS: tuple[str, ...] = ("name", "architecture", "hidden_size", "num_hidden_layers")
 FINGERPRINT_KEY = "weights_fingerprint"
-#: Set to 1 to accept a head trained on other weights of the same model shape (see check_weights).
-ALLOW_OTHER_WEIGHTS_ENV = "UHEAD_VLLM_ALLOW_OTHER_WEIGHTS"
 
 H = TypeVar("H", bound="UncertaintyHead")
 StepsLike = Sequence[torch.Tensor | np.ndarray]
-
-
-class HeadMismatchError(InputError, ValueError):
-    """A saved head does not fit the model, layers or feature size it is being loaded for."""
-
-
-class HeadFormatError(InputError, ValueError):
-    """A head folder is damaged or incomplete (missing file, invalid JSON, unreadable weights)."""
-
-    def __init__(self, path: str | Path, problem: str):
-        super().__init__(f"{path} is not a complete uncertainty head: {problem}; save it again "
-                         "(head.save(dir)) or retrain it (`uhead-vllm train`)")
 
 
 HEAD_LEVELS: tuple[str, ...] = ("step", "answer", "joint")
@@ -165,7 +152,7 @@ def check_weights(saved_id: dict[str, Any], expect_id: dict[str, Any], allow_oth
     have = saved_id.get(FINGERPRINT_KEY)
     if not have or FINGERPRINT_KEY not in expect_id:
         return
-    if allow_other_weights or os.environ.get(ALLOW_OTHER_WEIGHTS_ENV, "") not in ("", "0"):
+    if allow_other_weights or envs.allow_other_weights():
         return
     want = expect_id[FINGERPRINT_KEY]
     override = (f"pass allow_other_weights=True (CLI: --allow-other-weights; or set "

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import envs
+from ..envs import HEAD_DIR_ENV
 from . import attention as _attention  # noqa: F401  (registers AttentionPoolingHead)
 from . import linear as _linear  # noqa: F401  (registers LinearProbeHead)
 from .base import UncertaintyHead
 
-#: Environment variable that points every "default head" lookup at another head directory.
-HEAD_DIR_ENV = "UHEAD_VLLM_HEAD_DIR"
 
 
 def default_head_dir() -> Path:
     """``$UHEAD_VLLM_HEAD_DIR`` or ``uhead_vllm/heads/default/``: the head shipped for the embedded
     model, produced by ``uhead-vllm study`` (recipe in its ``RECIPE.md``)."""
-    env = os.environ.get(HEAD_DIR_ENV)
-    return Path(env).expanduser() if env else Path(__file__).resolve().parent / "default"
+    return envs.head_dir() or Path(__file__).resolve().parent / "default"
 
 
 def ranking_head_dir() -> Path:

@@ -28,7 +28,7 @@ from lm_polygraph.model_adapters import WhiteboxModelvLLM
 from lm_polygraph.utils.generation_parameters import GenerationParameters
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from ..errors import InputError
+from ..errors import LogprobsMissingError
 
 # The system turn lm-polygraph's adapter hard-codes; kept as the default for compatibility.
 LM_POLYGRAPH_SYSTEM_PROMPT = (
@@ -36,10 +36,6 @@ LM_POLYGRAPH_SYSTEM_PROMPT = (
     "strictly follows output formatting instructions."
 )
 MODEL_TYPE = "vLLMCausalLM"
-
-
-class LogprobsMissingError(InputError, ValueError):
-    """vLLM returned no logprobs: the sampling params were built without ``logprobs=k``."""
 
 
 def dense_vocab_size(llm: Any) -> int:

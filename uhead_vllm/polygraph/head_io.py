@@ -9,17 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import HeadNotFoundError
 from ..features import FeatureRecipe
 from ..heads import HeadConfig, HeadMismatchError, UncertaintyHead, default_head_dir, load_head
 from ..heads.base import CONFIG_FILE, WEIGHTS_FILE, check_compatible
 from .adapter import model_folder
 
 DEFAULT_HEAD_ALIAS = "default"
-
-
-class HeadNotFoundError(InputError, FileNotFoundError):
-    """The configured head directory (or one of its files) does not exist."""
 
 
 def resolve_head_dir(head_path: str | Path | None) -> Path:

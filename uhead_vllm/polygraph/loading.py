@@ -11,16 +11,9 @@ import csv
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import InputError
+from ..errors import DatasetColumnError
 from ..runtime import set_env_defaults
 from .head_io import read_head_config
-
-
-class DatasetColumnError(InputError, KeyError):
-    """A configured dataset column is not in the CSV file."""
-
-    def __str__(self) -> str:  # KeyError would print the message with quotes
-        return str(self.args[0])
 
 
 def check_csv_dataset(path: str | Path, text_column: str, label_column: str | None = None) -> list[str]:

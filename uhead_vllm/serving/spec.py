@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..capture.points import Site, parse_sites, site_name
+from ..errors import BadUncertaintyRequest
 
 #: Prefix of every ``vllm_xargs`` key the server uses internally; clients may not send them (a
 #: forged capture tag would read another request's rows or crash the worker's tag parser).
@@ -17,10 +18,6 @@ RESERVED_XARGS_PREFIX = "uhead_vllm"
 _KEYS = {"head", "steps", "rows", "features", "max_bytes"}
 _ROW_KEYS = {"layers", "points", "dtype"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-class BadUncertaintyRequest(ValueError):
-    """The client's request cannot be served as asked (answered with HTTP 400)."""
 
 
 @dataclass(frozen=True)

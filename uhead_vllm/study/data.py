@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from safetensors import safe_open
 
-from ..errors import InputError
+from ..errors import DatasetError
 from ..scoring.spans import AnswerArrays
 
 FORMAT = "uhead_vllm.study.dataset"
@@ -30,10 +30,6 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 ANSWERS_FILE = "answers.jsonl"
 TENSOR_KEYS = ("hidden", "token_ids", "token_logprobs", "topk_logprobs")
-
-
-class DatasetError(InputError, ValueError):
-    """A dataset directory is missing, incomplete or not in the expected format."""
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -14,7 +13,6 @@ import torch
 
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
-from ...capture.file_writer import device_writes_asked
 from ...capture.protocol import (
     CAPTURE_KEY,
     EXTENSION_QUALNAME,
@@ -26,14 +24,11 @@ from ...capture.protocol import (
     decode_rows,
     destination_nbytes,
 )
-from ...errors import InputError
+from ... import envs
+from ...errors import CaptureNotInstalledError
 from ..host_memory import host_buffer
 from ..shared_rows import SharedRowFiles
 from .base import Placement, raise_if_engine_dead
-
-
-class CaptureNotInstalledError(InputError, RuntimeError):
-    """The vLLM engine was built without the uhead_vllm worker extension."""
 
 
 def capture_engine_kwargs(
@@ -62,15 +57,6 @@ def capture_engine_kwargs(
 #: Every engine's shared row files (:class:`SharedRowFiles`), shared by the generators on it.
 _ROW_FILES: "weakref.WeakKeyDictionary[Any, SharedRowFiles]" = weakref.WeakKeyDictionary()
 _ROW_FILES_GUARD = threading.Lock()
-#: ``1``: wait for the worker's answer to ``place_into`` before the generation's requests are
-#: sent (a measuring aid). Unset, the requests follow the destination without that round trip;
-#: the engine core then takes its first step once it has placed the destination, with the
-#: requests that came meanwhile, where an idle engine core starts with the first one or two
-#: (a SmolLM2 trace at 256 sequences: 36 then 220 requests prefilled, where plain vLLM
-#: prefills 2 then 254; docs/gpu.md, session 21).
-SETTLE_PLACEMENT_ENV = "UHEAD_SETTLE_PLACEMENT"
-
-
 def shared_row_files(llm: Any) -> SharedRowFiles:
     """The shared row files of ``llm``: one set per engine, so that the worker's mappings of the
     files (kept under their keys) serve every generator on it."""
@@ -126,7 +112,7 @@ class AuxClient:
             return Placement(None)
         row_file, flat = taken
         spec = SharedDestination(row_file.path, shape, dtype, slots, row_file.file_id, list(groups),
-                                 row_file.key, row_file.nbytes, tuple(files.keys()), device_writes_asked())
+                                 row_file.key, row_file.nbytes, tuple(files.keys()), envs.file_writes())
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             destination = spec.on(flat, tables=False)
         destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks
@@ -136,7 +122,7 @@ class AuxClient:
         sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (payload,))
         ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(payload,))
         placement = Placement(destination, lambda: any(ask()), unname)
-        if sent is None or os.environ.get(SETTLE_PLACEMENT_ENV) == "1":
+        if sent is None or envs.settle_placement():
             placement.settle()  # ask now, before the requests are sent (see SETTLE_PLACEMENT_ENV)
         return placement
 
