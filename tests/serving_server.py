@@ -56,7 +56,7 @@ class Server:
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0):
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine core process
         self.log_path = log_path
         self._log = open(log_path, "w")
