@@ -1,9 +1,11 @@
-"""How answers are generated and cut into steps for a head: prompt styles and the generation recipe."""
+"""How answers are generated and cut into steps for a head: prompt styles, the generation recipe and
+the job's engine."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 from .. import tasks
 
@@ -63,3 +65,17 @@ class GenerationRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def build_job_generator(model_path: str | Path, layers: Sequence[int], **engine_overrides: Any) -> Any:
+    """The engine of the main job and of the study's collection (so a head scores answers captured
+    like its training data): :data:`~uhead_vllm.generation.SMALL_CPU_ENGINE` (``engine_overrides``
+    replace entries), bf16 rows, a 256 MiB prefix row store, one-step generation (a candidate idle
+    for one call is dropped), vLLM logging errors only."""
+    from ..generation import SMALL_CPU_ENGINE, build_generator
+    from ..runtime import set_env_defaults
+
+    set_env_defaults(quiet=True)
+    return build_generator(model_path, layers, capture_dtype="bfloat16",
+                           generator_kwargs={"store_max_bytes": 256 << 20, "step_cache_max_idle": 1},
+                           **{**SMALL_CPU_ENGINE, **engine_overrides})

@@ -132,7 +132,7 @@ def _log(message: str) -> None:
 
 
 def _generator(path: Path, layers: Sequence[int]) -> Any:
-    from ..scoring.answer import build_job_generator
+    from ..scoring.recipe import build_job_generator
 
     return build_job_generator(path, layers)
 
