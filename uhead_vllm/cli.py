@@ -17,7 +17,7 @@ from typing import Sequence
 from .cli_args import add_common_args, add_scaleout_args, scaleout_options
 from .errors import UheadError
 from .runtime import set_env_defaults
-from .tasks import EXAMPLE_QUESTIONS
+from .scoring.prompts import EXAMPLE_QUESTIONS
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .. import tasks
 from ..features import StepSpan, split_steps
 from ..heads import UncertaintyHead
+from .arithmetic import extract_answer
 from .recipe import GenerationRecipe
 from .spans import AnswerArrays, SpanBatch, answer_scores, logprob_arrays, span_features
 
@@ -72,7 +72,7 @@ def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer:
         raise ValueError(f"the answer to {question!r} has no hidden rows to score ({len(ids)} token(s))")
     rule = head.require_usage().answer_scoring
     p_answer = float(answer_scores(head, SpanBatch([whole], ["a"]), steps, rule, step_probs)[0])
-    return ScoredAnswer(question, output.text, tasks.extract_answer(output.text), p_answer, scored,
+    return ScoredAnswer(question, output.text, extract_answer(output.text), p_answer, scored,
                         output.finish_reason)
 
 
