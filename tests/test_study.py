@@ -20,7 +20,7 @@ from uhead_vllm.heads import HeadMismatchError, load_head
 from uhead_vllm.models import model_identity
 from uhead_vllm.study import commands
 from uhead_vllm.heads import default_head_dir
-from uhead_vllm.scoring.answer import ScoredAnswer
+from uhead_vllm.scoring.scored import ScoredAnswer
 from uhead_vllm.study.data import MANIFEST_FILE, DatasetError, StudyDataset
 
 LAYERS = (1, 3)
@@ -29,7 +29,7 @@ TASKS = ["basic_arithmetic:6:0", "chain_sum:4:100000"]
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
-    from uhead_vllm.scoring.answer import build_job_generator
+    from uhead_vllm.scoring.recipe import build_job_generator
 
     model = tiny_models["llama"]
     gen = build_job_generator(model, LAYERS, **make_vllm_kwargs(kv_cache_memory_bytes=32 << 20, max_num_seqs=16))
