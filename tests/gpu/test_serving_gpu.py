@@ -1,7 +1,7 @@
 """``uhead-vllm serve`` on a CUDA GPU: a real server process, the real ``openai`` client.
 
 One server of a random-weight SmolLM2-shaped model (fp32, so rows can be held to Hugging Face's
-forward) with the GPU defaults: CUDA graphs, vLLM's own memory settings. Checked: plain requests
+forward) with the GPU defaults (CUDA graphs; memory capped here, as other tests share the GPU). Checked: plain requests
 are untouched, n>1 choices each get rows equal to Hugging Face's (relative L2 within the GPU fp32
 tolerance of ``test_capture_gpu``), step scores are the head applied to its pooled inputs, a
 streamed answer ends with the same steps as the unstreamed one, and the status counters. One test
@@ -47,7 +47,8 @@ def test_the_server_serves_exact_rows_and_scores_on_the_gpu(tmp_path_factory: py
     head = build_tiny_head(model, base / "head", HEAD_LAYERS)
     out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", base))
     server = Server(["--model", str(model), "--head", str(head), "--layers", *map(str, LAYERS),
-                     "--capture-dtype", "float32", "--dtype", "float32", "--served-model-name", "gpu"],
+                     "--capture-dtype", "float32", "--dtype", "float32", "--served-model-name", "gpu",
+                     "--gpu-memory-utilization", "0.15"],  # the parity tests' engines share the GPU
                     base / "server.log", timeout=600)
     report: dict = {}
     try:
@@ -108,3 +109,41 @@ def test_the_server_serves_exact_rows_and_scores_on_the_gpu(tmp_path_factory: py
         server.stop()
         (out_dir / "serving-gpu.log").write_text(server.log()[-200000:])
         (out_dir / "serving-gpu.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+def test_plain_vllm_serve_with_the_plugin_scores_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``VLLM_PLUGINS=uhead_vllm vllm serve MODEL``: the plugin form (needs uhead_vllm installed, so
+    that vLLM finds its entry points; experiments/gpu/device_run.sh installs it)."""
+    from importlib.metadata import entry_points
+
+    if "uhead_vllm" not in {e.name for e in entry_points(group="vllm.general_plugins")}:
+        pytest.skip("uhead_vllm is not installed here (its vLLM entry points are missing)")
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    from openai import OpenAI
+
+    from experiments.gpu.models import build_model
+    from serving_server import PLUGIN_ENV, Server, build_tiny_head
+
+    tok = os.environ.get("UHEAD_GPU_TOKENIZER") or str(REPO / ".gpu" / "tok")
+    base = tmp_path_factory.mktemp("plugin-gpu")
+    model = build_model(base / "smollm2-random", "smollm2", Path(tok), save_weights=True)
+    head = build_tiny_head(model, base / "head", HEAD_LAYERS)
+    server = Server([str(model), "--served-model-name", "gpu", "--gpu-memory-utilization", "0.15",
+                     "--additional-config", json.dumps({"uhead_vllm_serve": {"head": str(head)}})],
+                    base / "server.log", timeout=600, env=PLUGIN_ENV,
+                    command=[sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"])  # `vllm serve`
+    try:
+        client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+        res = client.chat.completions.create(model="gpu", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                             n=2, max_tokens=24, temperature=1.0, seed=1,
+                                             extra_body={"uncertainty": True})
+        for choice in res.choices:
+            unc = choice.model_extra["uncertainty"]
+            assert unc["head"] == "head" and unc["steps"]
+            assert all(0.0 <= s["p_wrong"] <= 1.0 for s in unc["steps"] if s["p_wrong"] is not None)
+        info = server.get_json("/uhead/info")
+        assert info["captured_layers"] == HEAD_LAYERS  # the plugin's default: the head's layers
+    finally:
+        server.stop()
+        out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", base))
+        (out_dir / "plugin-gpu.log").write_text(server.log()[-100000:])
