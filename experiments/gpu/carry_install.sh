@@ -19,7 +19,8 @@ t0=$(date +%s)
 got=$(cat "$D"/parts/part_* | sha256sum | cut -d' ' -f1)
 [ "$got" = "$sum" ] || { echo "sha256 mismatch: $got != $sum"; exit 2; }
 rm -rf "$D/wheels" "$D/site313"; mkdir -p "$D/wheels"
-cat "$D"/parts/part_* | xz -d -T0 | tar xf - -C "$D/wheels"
+unxz() { if command -v xz > /dev/null; then xz -d -T0; else python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 24)"; fi; }
+cat "$D"/parts/part_* | unxz | tar -xif - -C "$D/wheels"  # -i: past each stream's end-of-archive
 t1=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$D/site313" "$D"/wheels/*.whl
 t2=$(date +%s)
