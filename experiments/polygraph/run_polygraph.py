@@ -246,14 +246,14 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
     if len(texts) == len(questions):
         lines = [[s.strip() for s in t.split("\n") if s.strip()] for t in texts]
         labels = [tasks.label_steps(ls, bool(a)) for ls, a in zip(lines, acc)]
-        flat = [l for ls in labels for l in ls]
+        flat = [label for ls in labels for label in ls]
         answer_of = np.array([i for i, ls in enumerate(labels) for _ in ls])
         kept_scores: dict[str, np.ndarray] = {}
         for key in [k for k in values if k[0] == "claim"]:
             u = values[key]
             if len(u) != len(flat):
                 continue  # claims split differently from text lines; skip rather than misalign
-            keep = [i for i, l in enumerate(flat) if l is not None and np.isfinite(u[i])]
+            keep = [i for i, label in enumerate(flat) if label is not None and np.isfinite(u[i])]
             y = np.array([flat[i] for i in keep])
             if 0 < y.sum() < len(y):
                 raw, norm = polygraph_prr(y, np.array(u)[keep])
