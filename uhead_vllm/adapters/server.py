@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from copy import copy
 from types import ModuleType
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
 from .versions import SUPPORTED_VLLM, parse_version
@@ -65,7 +65,7 @@ class EngineTap:
         from vllm.sampling_params import RequestOutputKind
 
         extra = getattr(sampling_params, "extra_args", None) or {}
-        record = self._registry.get(extra.get(MARK)) if MARK in extra else None
+        record = self._registry.get(extra[MARK]) if MARK in extra else None
         if record is None:
             return self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         params = copy(sampling_params)  # shared by all prompts of a completions request
@@ -75,7 +75,7 @@ class EngineTap:
         return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index)
 
     @staticmethod
-    async def _seen(outputs: AsyncIterator[Any], record: Any, index: int) -> AsyncIterator[Any]:
+    async def _seen(outputs: AsyncGenerator[Any, None], record: Any, index: int) -> AsyncIterator[Any]:
         try:
             async for out in outputs:
                 record.observe(index, out)
