@@ -1,4 +1,4 @@
-"""Optional dependencies (issue #20 item 10): the core package imports without the extras, and a
+"""Optional dependencies: the core package imports without the extras, and a
 feature that needs one names the extra to install.
 
 Each check runs in a fresh interpreter where the extras' modules are made unimportable
@@ -83,7 +83,7 @@ def without_extras() -> dict:
 
 
 def test_public_api_imports_without_extras(without_extras):
-    assert without_extras["n"] > 20 and without_extras["loaded"] == []
+    assert without_extras["n"] >= 10 and without_extras["loaded"] == []
 
 
 @pytest.mark.parametrize("case", range(len(MISSING_EXTRA_CASES)))

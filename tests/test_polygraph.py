@@ -356,7 +356,8 @@ def test_polygraph_eval_end_to_end(tiny_models, llama_head_dir, tmp_path):
     csv = tmp_path / "arith.csv"
     tasks.write_polygraph_dataset(csv, QUESTIONS)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG_DIR / "polygraph_eval_arith.yaml"), HYDRA_FULL_ERROR="1")
+    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG_DIR / "polygraph_eval_arith.yaml"), HYDRA_FULL_ERROR="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))  # estimators/
     env.setdefault("OMP_NUM_THREADS", "1")  # see experiments/polygraph/run_polygraph.py: shared cores
     cmd = [str(Path(sys.executable).parent / "polygraph_eval"), "profile=cpu_tiny", f"model.path={tiny_models['llama']}",
            f"uhead.head_path={llama_head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}"]

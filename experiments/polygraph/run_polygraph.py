@@ -386,7 +386,9 @@ def main() -> None:
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)  # Hydra appends to an existing log: never mix two runs
     overrides = [f"uhead.head_path={head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}", *a.overrides]
-    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG))
+    # the builder modules polygraph_eval imports by name (estimators/) live at the repository's root
+    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [str(Path(sys.executable).parent / "polygraph_eval"), *overrides]
     shown = "HYDRA_CONFIG=$PWD/configs/polygraph/polygraph_eval_arith.yaml polygraph_eval " + " ".join(
         o.replace(str(REPO) + "/", "") for o in overrides)
