@@ -1,7 +1,7 @@
 """uhead_vllm: exact single-pass hidden-state capture in vLLM, and uncertainty heads on top of it.
 
 The names below are the public API (20 names); everything else is imported from its subpackage, e.g.
-``uhead_vllm.generation.GenerationStats``, ``uhead_vllm.heads.HeadMismatchError``,
+``uhead_vllm.generation.GenerationStats``, ``uhead_vllm.errors.HeadMismatchError``,
 ``uhead_vllm.adapters.versions.SUPPORTED_VLLM``. Layers of the package: worker side inside vLLM
 (:mod:`uhead_vllm.capture`), vLLM-version adapters (:mod:`uhead_vllm.adapters`), engine side
 (:mod:`uhead_vllm.generation`), features and heads (:mod:`uhead_vllm.features`,
@@ -10,12 +10,10 @@ The names below are the public API (20 names); everything else is imported from 
 research pipeline (:mod:`uhead_vllm.study`).
 """
 
-from .errors import InputError, MissingExtraError, UheadError
+from .errors import CaptureError, InputError, MissingExtraError, MissingRowsError, UheadError
 from .features import FeatureRecipe, split_steps
 from .generation import (
-    CaptureError,
     HiddenStatesGeneration,
-    MissingRowsError,
     SampleHiddenStates,
     VllmHiddenStatesGenerator,
     build_llm,
