@@ -21,6 +21,8 @@ from uhead_vllm.capture.protocol import RequestTag
 from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstalledError, VllmHiddenStatesGenerator, build_llm
 from uhead_vllm.models import model_identity
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LONG = "12 + 7 = 19 and the cat sat on the mat. " * 8  # > 64 tokens: split by chunked prefill
 
 
@@ -183,7 +185,6 @@ def test_engine_without_extension_gives_clear_error(tiny_models):
     gc.collect()
 
 
-@pytest.mark.slow
 def test_embedded_model_rows_match_hf(embedded_model):
     layers = (0, 15, 30)
     llm = build_llm(str(embedded_model), layers, **make_vllm_kwargs(max_model_len=1024))

@@ -19,6 +19,8 @@ from conftest import make_vllm_kwargs
 from reference import assert_rows_match
 from uhead_vllm.generation import MissingRowsError, VllmHiddenStatesGenerator, build_llm
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LAYERS = (0, 2, 4)  # tiny llama has 4 decoder layers: embeddings, middle, last (pre-norm)
 SHARED = "the cat sat on the mat and 12 + 7 = 19 so the dog ran. "  # shared prompt prefix
 TAILS = ["3 * 4 =", "5 + 6 =", "the mat is", "9 - 2 = 7 and", "red cat"]

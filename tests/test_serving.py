@@ -22,6 +22,8 @@ from point_reference import hf_point_run
 from reference import hf_rows, relative_error
 from serving_server import HEAD_LAYERS, LAYERS
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 #: The canonical sites the server's --points name (serving_server.SERVER_POINTS), in column order.
 SITES = [("attn_in", 0), ("attn_out", 1), ("mlp_out", 1), ("mlp_in", 3), ("mlp_out", 3)]
 PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
