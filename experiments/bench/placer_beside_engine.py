@@ -29,7 +29,7 @@ import torch
 
 from experiments import provenance
 from uhead_vllm.capture.placer import ChunkSlots, place_step
-from uhead_vllm.capture.protocol import RowDestination
+from uhead_vllm.capture.destination import RowDestination
 from uhead_vllm.generation.host_memory import host_buffer
 
 from .env import REPO_ROOT

@@ -24,7 +24,8 @@ import torch
 from experiments import provenance
 from uhead_vllm.adapters import ScheduledStep, StepOutputs
 from uhead_vllm.capture import step_batch
-from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, RowDestination
+from uhead_vllm.capture.destination import RowDestination
+from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
 from uhead_vllm.capture.recorder import RowRecorder
 from uhead_vllm.capture.step_graphs import StepGraphs
 
