@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from ..adapters import engine as engine_internals
+from ..capture.destination import RowDestination, shared_mark
 from ..capture.points import ALIASES
-from ..capture.protocol import CapturedRows, RequestTag, RowDestination, shared_mark
+from ..capture.protocol import CapturedRows, RequestTag
 from ..errors import CaptureError, MissingRowsError
 from .assembly import place_rows
 from .backends import Placement, open_capture_client, raise_if_engine_dead
