@@ -410,7 +410,7 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
 def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token():
     from types import SimpleNamespace
 
-    from uhead_vllm.generation.generator import VllmHiddenStatesGenerator
+    from uhead_vllm.generation.first_pass import check_placed
 
     # two samples of the prompt [5, 6, 7] (tags 1, 2; slots of 5 rows); tag 1 forwards the prompt
     # and one generated row, tag 2 only its last prompt row and a generated one (the rest came from
@@ -426,7 +426,7 @@ def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token
     seqs = [seq(0, [5, 6, 7, 8]), seq(0, [5, 6, 7, 9]), seq(1, [5, 6, 7])]
     rendered = [({"prompt_token_ids": [5, 6, 7]}, "a"), ({"prompt_token_ids": [5, 6, 7]}, "b")]
     lens, first, capacity = np.array([4, 4, 3]), np.array([0, 5, 10]), np.array([5, 5, 5])
-    check = VllmHiddenStatesGenerator._check_placed
+    check = check_placed
     shared, valid = check(seqs, lens, first, capacity, dest.marks, rendered)
     # tag 2's positions 0-1 came from tag 1 (shared, counted); the wrong token never counts
     assert valid.tolist() == [True] * 8 + [True, False, True] and shared == 2
