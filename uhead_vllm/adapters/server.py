@@ -9,9 +9,11 @@
 3. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
    the engine) refuse reserved ``extra_args`` keys the server did not write itself, so capture
    tags and steering reach the worker only from the server's own code (:func:`minted`).
-4. Engine death: :class:`TrustedEngine` gives the server's own RPCs an end when the engine core
-   dies (vLLM never fails a pending utility call then; a waiting request would hold the server
-   open forever, SIGTERM included).
+4. Engine death and shutdown: :class:`TrustedEngine` gives the server's own RPCs an end when
+   the engine core dies (vLLM never fails a pending utility call then), and
+   :func:`end_requests_when_engine_stops` ends every running request when the engine client
+   stops (on SIGTERM vLLM cancels its output handler without telling the running requests, whose
+   open streams then keep the HTTP server from ever shutting down).
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ class TrustedEngine:
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> Any:
         return await until_engine_dies(self._engine, self._engine.collective_rpc(method, timeout, args, kwargs))
+
+
+_WATCHERS: set[asyncio.Task] = set()
+
+
+def end_requests_when_engine_stops(engine: Any) -> None:
+    """Watch ``engine`` (on the running loop); once it is dead or shut down, fail every request
+    still waiting for outputs with ``EngineDeadError``, as vLLM does when its output handler
+    fails: their handlers end them (a stream: vLLM's error event, then ``[DONE]``)."""
+
+    async def watch() -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while not engine.errored:
+            await asyncio.sleep(DEATH_POLL_S)
+        engine.output_processor.propagate_error(EngineDeadError())
+
+    task = asyncio.ensure_future(watch())
+    _WATCHERS.add(task)
+    task.add_done_callback(_WATCHERS.discard)
 
 
 async def until_engine_dies(engine: Any, call: Any) -> Any:

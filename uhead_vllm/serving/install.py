@@ -13,7 +13,8 @@ from typing import Any
 from ..capture.protocol import CAPTURE_KEY, CaptureSettings
 from .service import UncertaintyService
 from ..adapters.model import residual_streams
-from ..adapters.server import EngineTap, TrustedEngine, install_child_tags, install_engine_gate
+from ..adapters.server import (EngineTap, TrustedEngine, end_requests_when_engine_stops, install_child_tags,
+                               install_engine_gate)
 from .spec import reserved_keys
 
 SERVE_KEY = "uhead_vllm_serve"
@@ -44,6 +45,7 @@ def install(state: Any) -> UncertaintyService:
     engine = state.engine_client
     # Every route's requests meet the gate; the server's own (the tap's, the recompute's) are minted.
     install_engine_gate(engine, reserved_keys)
+    end_requests_when_engine_stops(engine)  # running requests must not hold a stopping server open
     scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
     service = UncertaintyService(
         TrustedEngine(engine), scorer, settings, vllm_config.model_config.get_hidden_size(), vllm_config.cache_config.block_size,
