@@ -23,6 +23,7 @@ from copy import copy
 from typing import Any, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
+from ..errors import BadUncertaintyRequest
 
 #: ``vllm_xargs`` key through which the handler marks a request for the tap (never reaches vLLM):
 #: the request's record key, or "" for a checked request without uncertainty (steering only).
@@ -45,13 +46,9 @@ def minted(params: Any) -> Any:
     return params
 
 
-class ReservedKeysError(ValueError):
-    """A request reached the engine with reserved ``extra_args`` keys the server did not write."""
-
-
 def install_engine_gate(engine: Any, reserved: Callable[[dict], list[str]]) -> None:
     """Wrap ``engine.add_request`` (this instance only): a request whose ``extra_args`` holds keys
-    ``reserved`` names is refused (``ReservedKeysError``, a ValueError: HTTP 400) unless the server
+    ``reserved`` names is refused (``BadUncertaintyRequest``, a ValueError: HTTP 400) unless the server
     minted them; the mark itself is removed before the request goes on. Idempotent."""
     if getattr(engine, "_uhead_gate", False):
         return
@@ -74,7 +71,7 @@ def _checked(params: Any, reserved: Callable[[dict], list[str]]) -> Any:
         return params
     bad = reserved(extra)
     if bad:
-        raise ReservedKeysError(f"extra_args keys {bad} are reserved for the uncertainty server (capture tags "
+        raise BadUncertaintyRequest(f"extra_args keys {bad} are reserved for the uncertainty server (capture tags "
                                 "and steering are written by the server itself)")
     return params
 
