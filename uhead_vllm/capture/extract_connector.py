@@ -98,7 +98,10 @@ class UheadHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._pending_saves.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             sp = new_req.sampling_params
-            tag = RequestTag.from_extra_args(sp.extra_args if sp is not None else None)
+            try:
+                tag = RequestTag.from_extra_args(sp.extra_args if sp is not None else None)
+            except ValueError:  # a forged or damaged tag: the request runs untagged (never stop the engine)
+                continue
             if tag is None:
                 continue
             filename = os.path.join(self._storage_path, request_stem(tag) + DATA_SUFFIX)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tasks import extract_answer, normalize_number
+from ..scoring.arithmetic import extract_answer, normalize_number
 
 
 def answer_from_output(text: str) -> str:

@@ -1,24 +1,13 @@
-"""How answers are generated and cut into steps for a head: prompt styles and the generation recipe."""
+"""How answers are generated and cut into steps for a head: the generation recipe (prompt style,
+sampling, step splitting) and the job's engine."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
-from .. import tasks
-
-#: Prompt styles on top of ``tasks.build_chat``'s ("steps", "direct").
-#: SmolLM2-135M copies the worked example of ``tasks``' "steps" prompt ("12 + 7 = 19") into many
-#: answers, so "steps_plain" is the same instruction without the example: short answers made of
-#: "a op b = c" lines (checkable by ``tasks.check_step_line``) and an "Answer:" line.
-PROMPT_STYLES: dict[str, str] = {
-    "steps_plain": (
-        "Solve step by step. Write one calculation per line as \"a op b = c\". "
-        "End with a line \"Answer: <number>\".\n\n{question}"
-    ),
-    "explain": "Solve this and explain your calculation step by step, then give the final answer.\n\n{question}",
-    "raw": "{question}",
-}
+from .prompts import PROMPT_STYLES, HasQuestionText, build_chat
 
 
 @dataclass
@@ -40,8 +29,8 @@ class GenerationRecipe:
     FEATURE_FIELDS = ("style", "logprobs", "split_mode")
 
     def __post_init__(self) -> None:
-        if self.style not in PROMPT_STYLES and self.style not in ("steps", "direct"):
-            raise ValueError(f"unknown prompt style {self.style!r}; known: {sorted(PROMPT_STYLES) + ['direct', 'steps']}")
+        if self.style not in PROMPT_STYLES:
+            raise ValueError(f"unknown prompt style {self.style!r}; known: {sorted(PROMPT_STYLES)}")
         if self.logprobs < 1:
             raise ValueError("logprobs must be >= 1: baselines need the sampled token's logprob")
         if self.split_mode not in ("line", "sentence"):
@@ -49,11 +38,8 @@ class GenerationRecipe:
         if self.samples < 1 or (self.samples > 1 and self.temperature <= 0):
             raise ValueError("samples must be >= 1, and > 1 only with temperature > 0 (greedy samples are identical)")
 
-    def chat(self, question: tasks.Question | str) -> list[dict]:
-        if self.style in PROMPT_STYLES:
-            text = question.question if isinstance(question, tasks.Question) else question
-            return [{"role": "user", "content": PROMPT_STYLES[self.style].format(question=text.strip())}]
-        return tasks.build_chat(question, self.style)
+    def chat(self, question: HasQuestionText | str) -> list[dict]:
+        return build_chat(question, self.style)
 
     def sampling_params(self) -> Any:
         from vllm import SamplingParams
@@ -63,3 +49,17 @@ class GenerationRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def build_job_generator(model_path: str | Path, layers: Sequence[int], **engine_overrides: Any) -> Any:
+    """The engine of the main job and of the study's collection (so a head scores answers captured
+    like its training data): :data:`~uhead_vllm.generation.SMALL_CPU_ENGINE` (``engine_overrides``
+    replace entries), bf16 rows, a 256 MiB prefix row store, one-step generation (a candidate idle
+    for one call is dropped), vLLM logging errors only."""
+    from ..generation import SMALL_CPU_ENGINE, build_generator
+    from ..runtime import set_env_defaults
+
+    set_env_defaults(quiet=True)
+    return build_generator(model_path, layers, capture_dtype="bfloat16",
+                           generator_kwargs={"store_max_bytes": 256 << 20, "step_cache_max_idle": 1},
+                           **{**SMALL_CPU_ENGINE, **engine_overrides})

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..scaleout import RayOptions, run_units
-from .answer import ScoredAnswer, ScoredStep, answer_questions, build_job_generator
+from .recipe import build_job_generator
+from .scored import ScoredAnswer, ScoredStep, answer_questions
 
 
 @dataclass

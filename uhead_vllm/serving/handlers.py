@@ -58,7 +58,9 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             # row store may hold), never a plain request's: see generation/steering.py.
             request.cache_salt = (CAPTURE_CACHE_SALT if not request.cache_salt
                                   else f"{request.cache_salt}:{CAPTURE_CACHE_SALT}")
-        record = service.open(spec, salt=salt, steer_args=steer.to_extra_args() if steer is not None else {})
+        # Rows are stored and recomputed under the request's whole cache_salt (a client's own included).
+        steer_args = steer.to_extra_args() if steer is not None else {}
+        record = service.open(spec, salt=request.cache_salt, steer_args=steer_args)
         record.row_bytes = row_bytes(spec, service.hidden_size)  # the tap checks the budget per prompt
         request.vllm_xargs = {**(request.vllm_xargs or {}), MARK: record.key}
         try:

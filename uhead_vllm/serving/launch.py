@@ -1,8 +1,10 @@
 """``uhead-vllm serve``: vLLM's own OpenAI server with capture and the uncertainty middleware.
 
 Our flags are taken here; every other argument goes to vLLM's own ``serve`` parser unchanged, and
-the server is vLLM's ``run_server``. Defaults follow the study that trained the shipped head
-(fp32 compute, eager, 32-token blocks, prefix caching on, bf16 rows) unless a vLLM flag overrides.
+the server is vLLM's ``run_server``. Defaults depend on the platform, unless a vLLM flag overrides:
+on a CUDA GPU vLLM's own (the model's dtype, CUDA graphs, memory from ``--gpu-memory-utilization``);
+on a CPU the study's that trained the shipped head (fp32 compute, eager, 32-token blocks, a 512 MiB
+KV cache). Prefix caching is on and the seed 0 on both.
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ from ..generation.engine import config_streams
 from .install import DEFAULT_MAX_ROWS_BYTES, DEFAULT_STORE_BYTES, MULTI_STREAM_REFUSAL, SERVE_KEY
 
 MIDDLEWARE = "uhead_vllm.serving.UncertaintyMiddleware"
-#: vLLM flags we set unless the user passes them (flag, value or None for a switch).
-VLLM_DEFAULTS: tuple[tuple[str, str | None], ...] = (
-    ("--dtype", "float32"), ("--enforce-eager", None), ("--block-size", "32"),
-    ("--max-model-len", "1024"), ("--kv-cache-memory-bytes", str(512 << 20)), ("--seed", "0"),
-    ("--enable-prefix-caching", None), ("--port", "8000"),
-)
+#: vLLM flags we set unless the user passes them (flag, value or None for a switch), by platform.
+VLLM_DEFAULTS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "cuda": (("--seed", "0"), ("--enable-prefix-caching", None), ("--port", "8000")),
+    "cpu": (("--dtype", "float32"), ("--enforce-eager", None), ("--block-size", "32"),
+            ("--max-model-len", "1024"), ("--kv-cache-memory-bytes", str(512 << 20)), ("--seed", "0"),
+            ("--enable-prefix-caching", None), ("--port", "8000")),
+}
+
+
+def platform() -> str:
+    """``cuda`` on vLLM's CUDA platform, else ``cpu`` (the defaults' key)."""
+    from ..adapters.engine import platform_is_cuda
+
+    return "cuda" if platform_is_cuda() else "cpu"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -54,29 +64,38 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     from ..models import model_identity, resolve_model
 
     path = resolve_model(args.model, args.model_cache)
-    streams, _ = config_streams(str(path))
-    if streams > 1:
-        raise InputError(MULTI_STREAM_REFUSAL.format(streams=streams))
-    ident = model_identity(path)
-    layers = args.layers or _default_layers(args.head, ident["num_hidden_layers"])
-    points = parse_points(getattr(args, "points", None) or [], ident["num_hidden_layers"])
-    settings = CaptureSettings(tuple(layers), args.capture_dtype, points=points,
-                               steering=bool(getattr(args, "steering", False)))
     serve = {"max_rows_bytes": args.max_rows_bytes, "store_bytes": args.row_store_bytes,
              "allow_other_weights": args.allow_other_weights}
     if args.head:
         serve["head"] = args.head if args.head == "none" else os.path.abspath(os.path.expanduser(args.head))
+    settings = capture_settings(str(path), serve.get("head"), args.layers, args.capture_dtype,
+                                getattr(args, "points", None) or [], bool(getattr(args, "steering", False)))
     argv = ["--model", str(path), "--worker-extension-cls", EXTENSION_QUALNAME,
             "--additional-config", json.dumps({CAPTURE_KEY: settings.to_dict(), SERVE_KEY: serve}),
             "--middleware", MIDDLEWARE]
     given = {a.split("=", 1)[0] for a in passthrough if a.startswith("--")}
     if "--served-model-name" not in given:
-        argv += ["--served-model-name", ident["name"]]
-    for flag, value in VLLM_DEFAULTS:
+        argv += ["--served-model-name", model_identity(path)["name"]]
+    for flag, value in VLLM_DEFAULTS[platform()]:
         negated = "--no-" + flag[2:]
         if flag not in given and negated not in given:
             argv += [flag] if value is None else [flag, value]
     return argv + list(passthrough)
+
+
+def capture_settings(model: str, head: str | None, layers: Sequence[int] | None, capture_dtype: str = "bfloat16",
+                     points: Sequence[str] = (), steering: bool = False) -> CaptureSettings:
+    """What the server's engine captures for ``model``: ``layers``, else the head's (``head``: a
+    directory, None for the shipped head, ``none`` for rows only: layer 0, the middle and the last).
+    Refuses models of several residual streams before vLLM starts."""
+    streams, cfg = config_streams(model)
+    if streams > 1:
+        raise InputError(MULTI_STREAM_REFUSAL.format(streams=streams))
+    if not cfg:
+        raise InputError(f"{model}: no config.json (uhead_vllm serves a local Hugging Face model folder)")
+    num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
+    layers = list(layers or _default_layers(head, num_layers))
+    return CaptureSettings(tuple(layers), capture_dtype, points=parse_points(points, num_layers), steering=steering)
 
 
 def parse_points(values: Sequence[str], num_layers: int) -> tuple[Site, ...]:

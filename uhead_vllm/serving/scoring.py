@@ -1,6 +1,6 @@
 """The head on one served sequence: the same scoring as the offline main job (``uhead-vllm answer``).
 
-The final scores go through :func:`uhead_vllm.scoring.answer.score_generation` itself, fed with
+The final scores go through :func:`uhead_vllm.scoring.scored.score_generation` itself, fed with
 the ids and logprobs vLLM returned and the sequence's exact rows, so a served answer gets the
 same numbers as the offline job. :func:`score_spans` scores steps of a still-growing answer
 (streaming) with the same features. Both give the head one step at a time, so a step's score
@@ -17,8 +17,8 @@ import torch
 
 from ..features import StepSpan, pool, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
-from ..scoring.answer import score_generation
 from ..scoring.recipe import GenerationRecipe
+from ..scoring.scored import score_generation
 from ..scoring.spans import AnswerArrays, span_features
 
 

@@ -174,7 +174,7 @@ class CollectWorker:
         self.job = CollectJob(**job)
         self.recipe = GenerationRecipe(**self.job.recipe)
         if generator is None:
-            from ..scoring.answer import build_job_generator
+            from ..scoring.recipe import build_job_generator
 
             generator = build_job_generator(self.job.model, self.job.layers, **self.job.engine)
         dtype = generator.client.settings.dtype

@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..cli import add_common_args as _common
-from ..cli import add_scaleout_args, scaleout_options
+from ..cli_args import add_common_args, add_scaleout_args, scaleout_options
 from ..runtime import set_env_defaults, set_threads
 
 # ------------------------------------------------------------------------------------------------
@@ -133,7 +132,7 @@ def _log(message: str) -> None:
 
 
 def _generator(path: Path, layers: Sequence[int]) -> Any:
-    from ..scoring.answer import build_job_generator
+    from ..scoring.recipe import build_job_generator
 
     return build_job_generator(path, layers)
 
@@ -312,7 +311,7 @@ def register(subparsers: Any) -> None:
                    help="questions per vLLM call = per shard = per unit of work (a Ray actor does whole units)")
     p.add_argument("--overwrite", action="store_true", help="replace the dataset (or an interrupted run of another one)")
     add_scaleout_args(p)
-    _common(p, threads=False)
+    add_common_args(p, threads=False)
     p.set_defaults(func=_cmd_collect)
 
     p = subparsers.add_parser("train", help="train an uncertainty head on dataset folders")
@@ -326,7 +325,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hyper", default=None, help='head hyper-parameters as JSON, e.g. \'{"max_epochs": 40}\'')
     p.add_argument("--overwrite", action="store_true")
-    _common(p)
+    add_common_args(p)
     p.set_defaults(func=_cmd_train)
 
     p = subparsers.add_parser("evaluate", help="ROC-AUC / PRR / calibration of heads vs logprob baselines")
@@ -334,7 +333,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="NAME=DIR")
     p.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for CIs (0 = none)")
-    _common(p)
+    add_common_args(p)
     p.set_defaults(func=_cmd_evaluate)
 
     p = subparsers.add_parser("study", help="collect -> train -> evaluate on the embedded model, one command")
@@ -346,7 +345,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--collect-only", action="store_true", help="only collect the datasets (used internally)")
     p.add_argument("--plan-json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--n-boot", type=int, default=1000)
-    _common(p)
+    add_common_args(p)
     p.set_defaults(func=_cmd_study)
 
 

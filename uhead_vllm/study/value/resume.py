@@ -12,7 +12,8 @@ candidates and for the labels (the ``owner`` of the unit part that made them; se
 :meth:`Expander.expand`); and the greedy finishes (text, tokens). Pooled ``features`` are *not*
 saved: only the step-data stage (``steps.collect_steps``, which keeps no file) reads them, the
 search never does, so :class:`~.search.TreeSearch` refuses a store on an expander with a
-``feature_head``.
+``feature_head``. The store reads and writes the expander and the search's finishes it is handed;
+it knows nothing of the search itself (the search imports it, not the other way round).
 """
 
 from __future__ import annotations
@@ -23,12 +24,9 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .tree import Candidate, Node
-
-if TYPE_CHECKING:
-    from .search import TreeSearch
+from .tree import Candidate, Expander, Node
 
 VERSION = 1
 
@@ -42,27 +40,29 @@ class TreeStore:
         self.size = 0
 
     @staticmethod
-    def meta(ts: TreeSearch) -> dict[str, Any]:
-        """Everything the saved children and labels depend on: a file made otherwise is refused."""
-        ex = ts.ex
+    def meta(ex: Expander, search: dict[str, int]) -> dict[str, Any]:
+        """Everything the saved children and labels depend on: a file made otherwise is refused.
+        ``search``: the search's settings the labels and finishes depend on (``finish_tokens``,
+        ``rollouts``, ``rollout_tokens``)."""
         prompts = hashlib.sha256("\x1e".join(ex._chat_text).encode()).hexdigest()
         return {"prompts": prompts, "questions": len(ex.questions), "seed": ex.seed,
                 "temperature": ex.temperature, "max_step_tokens": ex.max_step_tokens, "logprobs": ex.logprobs,
-                "heads": sorted(ex.heads), "finish_tokens": ts.finish_tokens, "rollouts": ts.rollouts,
-                "rollout_tokens": ts.rollout_tokens}
+                "heads": sorted(ex.heads), **search}
 
-    def load(self, ts: TreeSearch) -> int:
-        """Put the file's children into ``ts.ex.pending`` and its finishes into ``ts``; returns
-        the number of (node, n) entries (0 when there is no file)."""
+    def load(self, ex: Expander, search: dict[str, int], finished: dict[Node, str],
+             finish_cost: dict[Node, int]) -> int:
+        """Put the file's children into ``ex.pending`` and its greedy finishes (text, tokens) into
+        ``finished`` and ``finish_cost``; returns the number of (node, n) entries (0 when there is
+        no file)."""
         if not self.path.is_file():
             return 0
         with gzip.open(self.path, "rt", encoding="utf-8") as f:
             data = json.load(f)
-        want = self.meta(ts)
+        want = self.meta(ex, search)
         if data.get("version") != VERSION or data.get("meta") != want:
             raise ValueError(f"{self.path} was made with other settings ({data.get('meta')} vs {want}): "
                              "remove it (or run with --overwrite)")
-        ex, names = ts.ex, data["validity"]
+        names = data["validity"]
         for q, prefix, n, made, labelled, cands in data["nodes"]:
             key = (Node(q, prefix), n)
             if key in ex.children:
@@ -71,23 +71,23 @@ class TreeStore:
                                          rollout_tokens=rt) for text, ids, done, val, value, rt in cands]
             ex.origin[key] = (made, labelled)
         for q, prefix, text, cost in data["finished"]:
-            ts._finished.setdefault(Node(q, prefix), text)
-            ts._finish_cost.setdefault(Node(q, prefix), cost)
+            finished.setdefault(Node(q, prefix), text)
+            finish_cost.setdefault(Node(q, prefix), cost)
         return len(data["nodes"])
 
-    def save(self, ts: TreeSearch) -> None:
+    def save(self, ex: Expander, search: dict[str, int], finished: dict[Node, str],
+             finish_cost: dict[Node, int]) -> None:
         """Rewrite the whole file (children asked for and still pending alike) atomically."""
         start = time.perf_counter()
-        ex = ts.ex
         entries = [*ex.children.items(), *ex.pending.items()]
         names = sorted(entries[0][1][0].validity) if entries and entries[0][1] else []
         nodes = [[nd.q, nd.prefix, n, *ex.origin.get((nd, n), ("", None)),
                   [[c.text, list(c.token_ids), int(c.finished), [c.validity[k] for k in names], c.value,
                     c.rollout_tokens] for c in cands]]
                  for (nd, n), cands in entries]
-        finished = [[nd.q, nd.prefix, text, ts._finish_cost[nd]] for nd, text in ts._finished.items()]
-        blob = json.dumps({"version": VERSION, "meta": self.meta(ts), "validity": names, "nodes": nodes,
-                           "finished": finished}, separators=(",", ":")).encode()
+        finishes = [[nd.q, nd.prefix, text, finish_cost[nd]] for nd, text in finished.items()]
+        blob = json.dumps({"version": VERSION, "meta": self.meta(ex, search), "validity": names, "nodes": nodes,
+                           "finished": finishes}, separators=(",", ":")).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) as f:

@@ -74,13 +74,17 @@ class TreeSearch:
         if store is not None:
             if expander.feature_head is not None:
                 raise ValueError("a tree file keeps no features: use a store only for search, not step data")
-            loaded = store.load(self)
+            loaded = store.load(expander, self._store_settings(), self._finished, self._finish_cost)
             if loaded:
                 self.progress(f"step tree: {loaded} expanded nodes, {len(self._finished)} finishes from {store.path}")
 
+    def _store_settings(self) -> dict[str, int]:
+        """The settings a saved tree's labels and finishes depend on (see :meth:`TreeStore.meta`)."""
+        return {"finish_tokens": self.finish_tokens, "rollouts": self.rollouts, "rollout_tokens": self.rollout_tokens}
+
     def _save(self) -> None:
         if self.store is not None:
-            self.store.save(self)
+            self.store.save(self.ex, self._store_settings(), self._finished, self._finish_cost)
             self.progress(f"step tree saved ({self.store.size / 1e6:.1f} MB, {self.store.save_s:.2f} s)")
         if self.on_save is not None:
             self.on_save()
