@@ -163,13 +163,14 @@ def test_engine_gate_lets_through_only_what_the_server_minted():
     from vllm import SamplingParams
 
     from uhead_vllm.adapters.server import MINTED_KEY, _checked, minted
+    from uhead_vllm.errors import ReservedKeysError
     from uhead_vllm.serving.spec import reserved_keys
 
     forged = SamplingParams(max_tokens=2, extra_args={"uhead_vllm": {"tag": 1, "sample": 0}})
-    with pytest.raises(BadUncertaintyRequest, match="reserved"):
+    with pytest.raises(ReservedKeysError, match="reserved"):
         _checked(forged, reserved_keys)
     forged.extra_args[MINTED_KEY] = "Minted"  # a JSON value is never the mark
-    with pytest.raises(BadUncertaintyRequest):
+    with pytest.raises(ReservedKeysError):
         _checked(forged, reserved_keys)
     ours = minted(SamplingParams(max_tokens=2, extra_args={"uhead_steer": [], "x": 1}))
     passed = _checked(ours, reserved_keys)

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
-from ..errors import BadUncertaintyRequest
+from ..errors import ReservedKeysError
 from .versions import SUPPORTED_VLLM, parse_version
 
 #: (major, minor) -> (module of ``make_arg_parser`` / ``validate_parsed_serve_args``, module of ``run_server``).
@@ -59,7 +59,7 @@ def minted(params: Any) -> Any:
 
 def install_engine_gate(engine: Any, reserved: Callable[[dict], list[str]]) -> None:
     """Wrap ``engine.add_request`` (this instance only): a request whose ``extra_args`` holds keys
-    ``reserved`` names is refused (``BadUncertaintyRequest``, a ValueError: HTTP 400) unless the server
+    ``reserved`` names is refused (``ReservedKeysError``, a ValueError: HTTP 400) unless the server
     minted them; the mark itself is removed before the request goes on. Idempotent."""
     if getattr(engine, "_uhead_gate", False):
         return
@@ -82,7 +82,7 @@ def _checked(params: Any, reserved: Callable[[dict], list[str]]) -> Any:
         return params
     bad = reserved(extra)
     if bad:
-        raise BadUncertaintyRequest(f"extra_args keys {bad} are reserved for the uncertainty server (capture tags "
+        raise ReservedKeysError(f"extra_args keys {bad} are reserved for the uncertainty server (capture tags "
                                 "and steering are written by the server itself)")
     return params
 
