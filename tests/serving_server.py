@@ -1,16 +1,22 @@
 """A real ``uhead-vllm serve`` process on localhost for the serving tests, and a tiny head for it.
 
 ``server`` / ``client`` (fixtures, registered in conftest.py): one tiny-model server for the whole
-session, shared by test_serving.py and test_serving_page.py (a start is ~50 s on a 2-core machine)."""
+session, shared by test_serving.py, test_serving_faults.py and test_serving_page.py (a start is
+~50 s on a 2-core machine). Its teardown is a test too: SIGTERM with streams and a status call in
+flight must end them properly and stop every process promptly, leaving no shared memory
+(:func:`shut_down_in_flight`)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -95,6 +101,17 @@ class Server:
         with urllib.request.urlopen(self.base + path, timeout=30) as r:
             return json.loads(r.read())
 
+    def processes(self) -> list:
+        """The server process and every process it started (engine core, workers, trackers)."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def engine_core(self):
+        [core] = [p for p in self.processes() if "EngineCore" in p.name()]
+        return core
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -104,6 +121,105 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@dataclass
+class InFlightEnd:
+    """How a server ended with a scored stream, a plain stream and a status call in flight."""
+
+    exit_s: float | None = None  # seconds from the blow to the server process's exit (None: it did not)
+    streams: dict[str, dict] = field(default_factory=dict)  # name -> {"complete", "lines", "error"}
+    status: tuple[int, str] | str | None = None  # (HTTP status, body) or the error
+    shm_left: list[str] = field(default_factory=list)  # /dev/shm files the server's processes mapped
+    survivors: list[int] = field(default_factory=list)  # pids of its processes still alive
+
+
+def shut_down_in_flight(server: Server, blow: str, wait_s: float = 30.0) -> InFlightEnd:
+    """Stream two long answers (one scored, one plain), freeze the engine core (SIGSTOP) so that a
+    ``GET /uhead/status`` waits on it, then deal ``blow``: ``"kill-engine"`` (SIGKILL the engine
+    core) or ``"sigterm"`` (SIGTERM the server). Reports how everything ended."""
+    import httpx
+    import psutil
+
+    end = InFlightEnd()
+    procs = server.processes()
+    shm = {path for p in procs for path in _shm_paths(p)}
+    started = {name: threading.Event() for name in ("scored", "plain")}
+
+    def stream(name: str, extra: dict) -> None:
+        lines: list[str] = []
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Count on."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True, **extra}
+        try:
+            with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) >= 3:
+                        started[name].set()
+            end.streams[name] = {"complete": True, "lines": lines}
+        except Exception as exc:  # noqa: BLE001 (a broken HTTP response is what this looks for)
+            end.streams[name] = {"complete": False, "lines": lines, "error": repr(exc)}
+        started[name].set()
+
+    def status() -> None:
+        try:
+            r = httpx.get(server.base + "/uhead/status", timeout=120)
+            end.status = (r.status_code, r.text)
+        except Exception as exc:  # noqa: BLE001
+            end.status = repr(exc)
+
+    threads = [threading.Thread(target=stream, args=("scored", {"uncertainty": True})),
+               threading.Thread(target=stream, args=("plain", {}))]
+    for t in threads:
+        t.start()
+    for e in started.values():
+        e.wait(60)
+    core = server.engine_core()
+    core.send_signal(signal.SIGSTOP)  # the engine stops answering: the status call waits on it
+    waiter = threading.Thread(target=status)
+    waiter.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    if blow == "kill-engine":
+        core.kill()
+    else:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(wait_s)
+        end.exit_s = time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        pass
+    for t in [*threads, waiter]:
+        t.join(30)
+    deadline = time.monotonic() + 30  # orphans (a worker, the resource tracker) may outlive the server briefly
+    alive = lambda: [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    end.survivors = alive()
+    end.shm_left = sorted(p for p in shm if os.path.exists(p))
+    return end
+
+
+def _shm_paths(proc) -> list[str]:
+    import psutil
+
+    try:
+        return [m.path for m in proc.memory_maps(grouped=True) if m.path.startswith("/dev/shm/")]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def check_clean_end(end: InFlightEnd, exit_within_s: float) -> None:
+    """Streams ended as vLLM ends them (an error event, then [DONE], in a complete response), the
+    status call got its answer, the process exited in time and left nothing behind."""
+    for name, s in end.streams.items():
+        assert s["complete"], (name, s)
+        assert s["lines"][-1] == "data: [DONE]" and '"error"' in s["lines"][-2], (name, s["lines"][-3:])
+    assert set(end.streams) == {"scored", "plain"}
+    assert isinstance(end.status, tuple) and end.status[0] == 503 and "engine is dead" in end.status[1], end.status
+    assert end.exit_s is not None and end.exit_s < exit_within_s, end.exit_s
+    assert end.survivors == [] and end.shm_left == [], (end.survivors, end.shm_left)
 
 
 def serve(args: list[str], log_path: Path) -> Iterator[Server]:
@@ -121,12 +237,18 @@ def head_path(tiny_models, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_models, tmp_path_factory, head_path) -> Iterator[Server]:
-    """fp32 rows of layers 0/2/4 and five capture points, steering, prefix caching, 32-token blocks."""
+    """fp32 rows of layers 0/2/4 and five capture points, steering, prefix caching, 32-token blocks.
+    Teardown: SIGTERM with streams and a status call (on a frozen engine) in flight; checked."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    yield from serve(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
-                      "--capture-dtype", "float32", "--max-model-len", "512",
-                      "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-                      "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
+    srv = Server(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
+                  "--capture-dtype", "float32", "--max-model-len", "512",
+                  "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+                  "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
+    try:
+        yield srv
+        check_clean_end(shut_down_in_flight(srv, "sigterm"), exit_within_s=15)
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -130,6 +130,7 @@ def _restore(worker) -> None:
     worker.model_runner._uhead_recorder.__dict__.pop("on_forward", None)
 
 
+@pytest.mark.slow
 def test_missed_forward_is_an_error_in_strict_mode(llm) -> None:
     gen = VllmHiddenStatesGenerator(llm, strict=True)
     gen.reset_hs_step_cache(reset_prefix_cache=True)
@@ -142,6 +143,7 @@ def test_missed_forward_is_an_error_in_strict_mode(llm) -> None:
         llm.collective_rpc(_restore)
 
 
+@pytest.mark.slow
 def test_missed_forward_is_recomputed_and_counted_apart_from_prefix_cache(llm, tiny_models) -> None:
     gen = VllmHiddenStatesGenerator(llm)
     gen.reset_hs_step_cache(reset_prefix_cache=True)

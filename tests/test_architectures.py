@@ -172,6 +172,7 @@ def _check(path, name, sample, layers, tol):
         assert relative_error(ref[:, j], ref[:, j - 1]) > max(0.2, 4 * tol)
 
 
+@pytest.mark.slow
 def test_hybrid_rows_match_hf(hybrid_engine):
     name, path, layers, llm = hybrid_engine
     route, prefix_caching, tol = CASES[name]
@@ -203,6 +204,7 @@ def test_hybrid_rows_match_hf(hybrid_engine):
 
 
 # ------------------------------------------------------------------ refusals at engine construction
+@pytest.mark.slow
 def test_mamba2_with_prefix_caching_is_refused_clearly():
     path = build_hybrid_model("mamba2")
     with pytest.raises(Exception, match="enable_prefix_caching=False"):
@@ -210,6 +212,7 @@ def test_mamba2_with_prefix_caching_is_refused_clearly():
     gc.collect()
 
 
+@pytest.mark.slow
 def test_layer_hooks_in_compiled_mode_are_refused_clearly():
     path = build_hybrid_model("falcon_h1")
     with pytest.raises(Exception, match="enforce_eager=True"):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 
 @pytest.fixture(scope="module")
 def quick_result(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> tuple[dict, Path]:

@@ -15,11 +15,13 @@ from safetensors.torch import load_file
 from vllm import SamplingParams
 
 from capture_checks import check_raw_rows, layers_for
-from reference import BF16_TOL, FP32_TOL, assert_rows_match
+from reference import BF16_TOL, FP32_TOL, assert_rows_match, hf_rows, relative_error
 from conftest import make_vllm_kwargs
 from uhead_vllm.capture.protocol import RequestTag
 from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstalledError, VllmHiddenStatesGenerator, build_llm
 from uhead_vllm.models import model_identity
+
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
 
 LONG = "12 + 7 = 19 and the cat sat on the mat. " * 8  # > 64 tokens: split by chunked prefill
 
@@ -87,6 +89,44 @@ def test_shared_tag_from_direct_n_gt_1_is_reported(eager_engine):
                  use_tqdm=False)
     rows = client.fetch()
     assert rows.error and "same capture tag" in rows.error
+
+
+def test_forged_tags_never_stop_the_engine_nor_touch_other_requests_rows(eager_engine):
+    """Nothing a client sends can stop ``execute_model``: tags that do not parse are counted and
+    their requests run untagged; while a generation writes into a destination, a tag its slots did
+    not announce is counted and writes nothing. The honest request's rows stay exact either way."""
+    model, layers, llm = eager_engine
+    client = CaptureClient(llm)
+    before = client.status()
+    forged = [{"uhead_vllm": "1"}, {"uhead_vllm": {"tag": "7"}}, {"uhead_vllm": {"tag": 1 << 63}},
+              {"uhead_vllm": {"tag": 3, "sample": True}}]
+    prompt = "the forged tags came first, then the honest one"
+    params = [SamplingParams(max_tokens=4, temperature=0.0, extra_args=x) for x in forged]
+    params.append(SamplingParams(max_tokens=6, temperature=0.0, extra_args=RequestTag(3, 0).to_extra_args()))
+    outs = llm.generate(["the cat sat on the mat"] * len(forged) + [prompt], params, use_tqdm=False)
+    rows = client.fetch()
+    assert rows.error is None and set(rows.tags.tolist()) == {3}
+    seq = list(outs[-1].prompt_token_ids) + list(outs[-1].outputs[0].token_ids)
+    check_raw_rows(model, {3: seq}, rows.tags, rows.positions, rows.token_ids, rows.hidden, layers, FP32_TOL)
+    # A generation writing into a destination announces its tags (the slots): tag 99 was not.
+    capacity, hidden_size = 40, model_identity(model)["hidden_size"]
+    placement = client.place_into({5: (0, capacity)}, (capacity, len(layers), hidden_size))
+    dest = placement.settle()
+    honest = "an announced tag writes its own slot"
+    outs = llm.generate([honest, honest + " and more"], [
+        SamplingParams(max_tokens=5, temperature=0.0, extra_args=RequestTag(5, 0).to_extra_args()),
+        SamplingParams(max_tokens=5, temperature=0.0, extra_args=RequestTag(99, 0).to_extra_args())],
+        use_tqdm=False)
+    placed = client.fetch()
+    seq = list(outs[0].prompt_token_ids) + list(outs[0].outputs[0].token_ids)
+    n = len(seq) - 1  # the last sampled token is never forwarded
+    assert placed.error is None and placed.placed and placed.num_rows == n
+    assert dest.tokens[:n].tolist() == seq[:n] and bool((dest.tokens[n:] == -1).all())
+    assert relative_error(dest.buffer[:n], hf_rows(str(model), seq, layers)[:n]) < FP32_TOL
+    after = client.status()
+    assert after["tags_malformed"] - before["tags_malformed"] == len(forged)
+    assert after["tags_unannounced"] - before["tags_unannounced"] == 1
+    assert after["tags_duplicate"] == before["tags_duplicate"]
 
 
 def test_compiled_mode_rows_match_hf(tiny_models):
@@ -183,7 +223,6 @@ def test_engine_without_extension_gives_clear_error(tiny_models):
     gc.collect()
 
 
-@pytest.mark.slow
 def test_embedded_model_rows_match_hf(embedded_model):
     layers = (0, 15, 30)
     llm = build_llm(str(embedded_model), layers, **make_vllm_kwargs(max_model_len=1024))

@@ -54,6 +54,7 @@ def _check(model_path, sample, steer=(), points=POINTS) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.slow
 def test_points_match_hf_hooks_with_prefix_caching_n2_and_steps(gen, model_path):
     prompts = [SHARED + "3 * 4 =", SHARED + "the mat is"]
     first = gen.generate(prompts, SamplingParams(n=2, max_tokens=6, temperature=0.9, seed=3))
@@ -82,6 +83,7 @@ def _steer_terms(spec: list[dict], prompt_len: int) -> list:
              prompt_len if t.get("tokens") == "generated" else 0) for t in spec]
 
 
+@pytest.mark.slow
 def test_mixed_batch_steering_matches_hf_rows_and_greedy_tokens(gen, model_path):
     prompt = SHARED + "3 * 4 ="
     plain = gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))  # warms the prefix cache
@@ -128,6 +130,7 @@ def test_mixed_batch_steering_matches_hf_rows_and_greedy_tokens(gen, model_path)
     _check(model_path, third.hidden_states[0][0], _steer_terms(a, n))
 
 
+@pytest.mark.slow
 def test_bad_steering_requests_are_refused_before_running(gen):
     bad = [({"point": "nope", "layer": 0, "vector": [0.0] * H}, "unknown point"),
            ({"point": "mlp_out", "layer": 4, "vector": [0.0] * H}, "out of range"),
@@ -152,6 +155,7 @@ def test_spec_and_point_parsing():
         parse_sites([("mlp_in", 1), "mlp_in.1"])
 
 
+@pytest.mark.slow
 def test_qwen3_points_and_steering_match_hf(tiny_models):
     path = str(tiny_models["qwen3"])
     points = (("attn_in", 1), ("attn_out", 2), ("mlp_in", 0), ("mlp_out", 2))
@@ -171,6 +175,7 @@ def test_qwen3_points_and_steering_match_hf(tiny_models):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_steering_needs_an_engine_built_for_it(model_path):
     llm = build_llm(model_path, (0,), **make_vllm_kwargs(kv_cache_memory_bytes=16 << 20))
     with pytest.raises(SteeringError, match="steering=True"):
@@ -180,6 +185,7 @@ def test_steering_needs_an_engine_built_for_it(model_path):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_points_and_steering_in_compiled_mode_are_refused_at_build(model_path):
     for extra in ({"points": POINTS[:1]}, {"steering": True}):
         with pytest.raises(Exception, match="enforce_eager=True"):

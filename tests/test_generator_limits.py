@@ -14,6 +14,8 @@ from conftest import make_vllm_kwargs
 from reference import assert_rows_match
 from uhead_vllm.generation import VllmHiddenStatesGenerator, build_llm
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LAYERS = (0, 2, 4)
 MAX_LEN = 96
 SHARED = "the cat sat on the mat and 12 + 7 = 19 so the dog ran. "

@@ -143,6 +143,7 @@ def test_missing_gguf_package_message(monkeypatch, tmp_path):
         embedded_model_path(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_padded_vocab"])
 def test_tiny_model_generates_in_vllm_like_transformers(tiny_models, llm_factory, name):
     import torch

@@ -136,6 +136,7 @@ def _check_sample(sample: Any, hf: Any) -> None:
         assert float(rel.max()) <= STREAM_RTOL, (k, rel.max(dim=-1).values.tolist())
 
 
+@pytest.mark.slow
 def test_streams_equal_hf_with_n_and_steps(dsv4_generator):
     """Sampled n=2 answers, then a second step continuing two of them: every row of every stream of
     every index equals HF's forward on the same ids (to bf16 + fp8-KV rounding); nothing missed or
@@ -157,6 +158,7 @@ def test_streams_equal_hf_with_n_and_steps(dsv4_generator):
         _check_sample(per_prompt[0], hf)
 
 
+@pytest.mark.slow
 def test_capture_points_are_refused_for_streams(tiny_dsv4):
     """Points and steering are not verified for mHC layers: refused when the engine loads."""
     if not AVX512_BF16:
@@ -167,6 +169,7 @@ def test_capture_points_are_refused_for_streams(tiny_dsv4):
                   max_model_len=256, kv_cache_memory_bytes=1 << 29)
 
 
+@pytest.mark.slow
 def test_server_refuses_multi_stream_models(tiny_dsv4, tmp_path):
     """``uhead-vllm serve`` has one stream per layer in its rows and heads: a multi-stream model is
     refused before vLLM starts, with the way that works instead."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from uhead_vllm.capture.placer import ChunkSlots, Placer, place_step
-from uhead_vllm.capture.protocol import RowDestination
+from uhead_vllm.capture.destination import RowDestination
 from uhead_vllm.envs import STEP_BATCH_ENV
 
 
@@ -242,21 +242,23 @@ def test_destination_refuses_slots_outside_its_buffer():
 
 def _shared(files, shape, slots, groups=()):
     """What AuxClient.place_into does: a file from ``files``, its spec, and the engine side's view."""
-    from uhead_vllm.capture.protocol import SharedDestination, destination_nbytes
+    from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.capture.row_files import destination_nbytes, destination_on
 
     row_file, flat = files.take(destination_nbytes(shape, "bfloat16"))
     spec = SharedDestination(row_file.path, shape, "bfloat16", slots, row_file.file_id, list(groups),
                              row_file.key, row_file.nbytes, tuple(files.keys()))
-    return row_file, spec, spec.on(flat)
+    return row_file, spec, destination_on(spec, flat)
 
 
 def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp_path):
     from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.capture.row_files import open_destination
     from uhead_vllm.generation.shared_rows import SharedRowFiles
 
     files = SharedRowFiles()
     row_file, spec, mine = _shared(files, (6, 2, 3), {4: (0, 3), 5: (3, 3)}, [(2, (4, 5))])
-    theirs = SharedDestination.from_json(spec.to_json()).open()  # what a worker process does
+    theirs = open_destination(SharedDestination.from_json(spec.to_json()))  # what a worker process does
     theirs.buffer[2] = 7.0
     assert bool((mine.buffer[2] == 7.0).all()) and theirs.slots == {4: (0, 3), 5: (3, 3)}
     assert theirs.groups == [(2, (4, 5))] and mirrors(theirs, 5) == {0: 2}
@@ -264,21 +266,22 @@ def test_shared_destination_maps_the_engine_sides_file_and_refuses_any_other(tmp
     other.write_bytes(b"\0" * 72)
     moved = dataclasses.replace(spec, path=str(other))
     with pytest.raises(FileNotFoundError, match="not the engine side's"):
-        moved.open()
+        open_destination(moved)
     files.unname(row_file)
     assert not os.path.exists(spec.path)
     with pytest.raises(FileNotFoundError, match="not visible"):
-        SharedDestination.from_json(spec.to_json()).open()
+        open_destination(SharedDestination.from_json(spec.to_json()))
 
 
 def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.capture.row_files import destination_nbytes, open_destination
     from uhead_vllm.generation.shared_rows import SharedRowFiles
 
     files = SharedRowFiles(keep_idle=1)
     mapped: dict = {}  # the worker's mappings, kept across calls
     first, spec, mine = _shared(files, (6, 2, 3), {1: (0, 6)})
-    theirs = SharedDestination.from_json(spec.to_json()).open(mapped)
+    theirs = open_destination(SharedDestination.from_json(spec.to_json()), mapped)
     files.unname(first)  # the worker mapped it: from now on it finds the file by key only
     theirs.buffer.fill_(1.0)
     held = mine.buffer[1:3]  # a result's view keeps the whole file in use
@@ -286,7 +289,7 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     gc.collect()
     second, spec2, mine2 = _shared(files, (4, 2, 3), {2: (0, 4)})
     assert second is not first and files.created == 2 and files.reused == 0
-    theirs2 = SharedDestination.from_json(spec2.to_json()).open(mapped)
+    theirs2 = open_destination(SharedDestination.from_json(spec2.to_json()), mapped)
     files.unname(second)
     theirs2.buffer.fill_(2.0)
     assert bool((held == 1.0).all())  # the held rows were not written over
@@ -295,17 +298,17 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     # Both idle: the larger one is kept (keep_idle=1) and handed out again; the smaller is unmapped.
     again, spec3, mine3 = _shared(files, (5, 2, 3), {3: (0, 5)})
     assert again is first and files.reused == 1 and files.keys() == [first.key]
-    theirs3 = SharedDestination.from_json(spec3.to_json()).open(mapped)
+    theirs3 = open_destination(SharedDestination.from_json(spec3.to_json()), mapped)
     assert list(mapped) == [first.key]  # the worker let go of the file the engine side unmapped
     theirs3.buffer[4] = 3.0
     assert bool((mine3.buffer[4] == 3.0).all()) and mine3.buffer.shape == (5, 2, 3)
     assert files.idle_bytes() == 0
     # 6 rows and a scratch row (84 bytes), then 7 token marks (at 128, aligned): files are sized
     # to a power of two
-    assert first.nbytes == 256 and spec.nbytes == 156
+    assert first.nbytes == 256 and destination_nbytes(spec.shape, spec.dtype) == 156
     too_small = dataclasses.replace(spec3, shape=(24, 2, 3), slots={3: (0, 24)})
     with pytest.raises(ValueError, match="holds 256 bytes, the destination needs 420"):
-        too_small.open(mapped)
+        open_destination(too_small, mapped)
     del mine3, theirs3
     gc.collect()
     assert files.idle_bytes() == first.nbytes
@@ -407,7 +410,7 @@ def test_steps_queued_behind_one_wait_are_placed_in_order_and_a_failed_wait_fail
 def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token():
     from types import SimpleNamespace
 
-    from uhead_vllm.generation.generator import VllmHiddenStatesGenerator
+    from uhead_vllm.generation.first_pass import check_placed
 
     # two samples of the prompt [5, 6, 7] (tags 1, 2; slots of 5 rows); tag 1 forwards the prompt
     # and one generated row, tag 2 only its last prompt row and a generated one (the rest came from
@@ -423,7 +426,7 @@ def test_the_engine_side_counts_a_row_only_where_its_mark_is_the_sequences_token
     seqs = [seq(0, [5, 6, 7, 8]), seq(0, [5, 6, 7, 9]), seq(1, [5, 6, 7])]
     rendered = [({"prompt_token_ids": [5, 6, 7]}, "a"), ({"prompt_token_ids": [5, 6, 7]}, "b")]
     lens, first, capacity = np.array([4, 4, 3]), np.array([0, 5, 10]), np.array([5, 5, 5])
-    check = VllmHiddenStatesGenerator._check_placed
+    check = check_placed
     shared, valid = check(seqs, lens, first, capacity, dest.marks, rendered)
     # tag 2's positions 0-1 came from tag 1 (shared, counted); the wrong token never counts
     assert valid.tolist() == [True] * 8 + [True, False, True] and shared == 2
@@ -489,7 +492,8 @@ def test_steps_batched_in_a_buffer_land_where_each_step_alone_would(monkeypatch,
     from uhead_vllm.adapters import ScheduledStep, StepOutputs
     from uhead_vllm.capture import step_batch
     from uhead_vllm.capture.file_writer import FileWriter
-    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, destination_nbytes, file_views
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.row_files import destination_nbytes, file_views
     from uhead_vllm.capture.recorder import RowRecorder
 
     monkeypatch.setattr(step_batch, "BUFFER_BYTES", 8 * 2 * 4 * 2)  # 8 rows of 2 columns x 4 bf16

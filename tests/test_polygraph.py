@@ -134,6 +134,7 @@ class RecordingLLM:
 # ------------------------------------------------------------------------------ adapter fixes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [stock_xfail("dense rows are narrower than vLLM's ids", IndexError), OURS])
 def test_dense_logprob_rows_cover_padded_vocabulary(cls, padded_llm):
     sp = SamplingParams(max_tokens=6, logprobs=20, temperature=0.0)
@@ -159,6 +160,7 @@ def _rendered_prompt(model: Any, recorder: RecordingLLM) -> str:
     return model.tokenizer.decode(recorder.outputs[0].prompt_token_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [stock_xfail("no chat_template_kwargs: thinking stays on", AssertionError), OURS])
 def test_instruct_chat_disables_thinking_by_default(cls, padded_llm):
     recorder = RecordingLLM(padded_llm)
@@ -166,6 +168,7 @@ def test_instruct_chat_disables_thinking_by_default(cls, padded_llm):
     assert "<think>\n\n</think>" in _rendered_prompt(model, recorder)
 
 
+@pytest.mark.slow
 def test_enable_thinking_is_configurable(padded_llm):
     recorder = RecordingLLM(padded_llm)
     model = UheadWhiteboxModelvLLM(recorder, SamplingParams(max_tokens=2, logprobs=1), instruct=True,
@@ -185,6 +188,7 @@ def _our_greedy(model: Any, texts: list[str]) -> dict[str, Any]:
     return VllmHiddenStatesCalculator()({}, texts, model, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cls, calc",
     [
@@ -208,6 +212,7 @@ def test_greedy_stats_match_vllm_greedy_decoding(cls, calc, llama_llm):
         assert np.allclose(ll, [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [stock_xfail("texts passed positionally: generate() needs input_ids"), OURS])
 def test_generate_texts_returns_n_samples_per_prompt(cls, llama_llm):
     model = make_adapter(cls, llama_llm, SamplingParams(max_tokens=4, logprobs=1), instruct=True, system_prompt=None)
@@ -222,6 +227,7 @@ def test_generate_texts_returns_n_samples_per_prompt(cls, llama_llm):
     assert greedy == [ro.outputs[0].text for ro in ref]
 
 
+@pytest.mark.slow
 def test_upgrade_converts_polygraph_instance_in_place(llama_llm):
     stock = WhiteboxModelvLLM(llama_llm, SamplingParams(max_tokens=4, logprobs=2), device="cpu", instruct=True)
     same = upgrade_whitebox(stock, enable_thinking=False, system_prompt=None)
@@ -234,6 +240,7 @@ def test_upgrade_converts_polygraph_instance_in_place(llama_llm):
 # ----------------------------------------------------------------------------- calculators
 
 
+@pytest.mark.slow
 def test_hidden_states_are_exact_and_cover_every_generated_token(batch_stats, tiny_models):
     for hs, tokens in zip(batch_stats["uhead_hidden_states"], batch_stats["greedy_tokens"]):
         assert hs.output_token_ids == tokens
@@ -243,6 +250,7 @@ def test_hidden_states_are_exact_and_cover_every_generated_token(batch_stats, ti
     assert all(t.shape == (len(tok), 5) for t, tok in zip(batch_stats["uhead_topk_logprobs"], batch_stats["greedy_tokens"]))
 
 
+@pytest.mark.slow
 def test_claims_and_features_line_up_with_tokens(batch_stats, llama_adapter):
     special = set(llama_adapter.tokenizer.all_special_ids)
     for hs, claims, feats, seq in zip(batch_stats["uhead_hidden_states"], batch_stats["claims"],
@@ -259,6 +267,7 @@ def test_claims_and_features_line_up_with_tokens(batch_stats, llama_adapter):
             assert torch.equal(f, seq[c.aligned_token_ids[0] : c.aligned_token_ids[-1] + 1])
 
 
+@pytest.mark.slow
 def test_head_estimators_apply_the_saved_head(batch_stats, llama_head_dir, llama_adapter):
     """Reference by hand, from the saved arrays and the raw hidden rows (neither the head's code
     nor the features calculator): P(wrong) = sigmoid(((mean of the span's rows) - mean) / scale
@@ -302,6 +311,7 @@ def test_missing_head_is_a_clear_error(tmp_path):
         load_capture_llm("default", 4, 1, head_path=tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_head_for_another_model_is_refused(batch_stats, llama_head_dir, padded_llm):
     import estimators.uhead_features as builder
 
@@ -351,12 +361,14 @@ def test_configs_declare_what_the_calculators_provide():
     assert cfg.model.adapter.enable_thinking is False and cfg.uhead.head_path == "default"
 
 
+@pytest.mark.slow
 def test_polygraph_eval_end_to_end(tiny_models, llama_head_dir, tmp_path):
     """polygraph_eval itself, unmodified, on the project's config reduced to a tiny model."""
     csv = tmp_path / "arith.csv"
     tasks.write_polygraph_dataset(csv, QUESTIONS)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG_DIR / "polygraph_eval_arith.yaml"), HYDRA_FULL_ERROR="1")
+    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG_DIR / "polygraph_eval_arith.yaml"), HYDRA_FULL_ERROR="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))  # estimators/
     env.setdefault("OMP_NUM_THREADS", "1")  # see experiments/polygraph/run_polygraph.py: shared cores
     cmd = [str(Path(sys.executable).parent / "polygraph_eval"), "profile=cpu_tiny", f"model.path={tiny_models['llama']}",
            f"uhead.head_path={llama_head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}"]

@@ -30,6 +30,8 @@ from uhead_vllm.study import commands  # noqa: E402
 from uhead_vllm.study.collect import collect, plan_job  # noqa: E402
 from uhead_vllm.study.data import MANIFEST_FILE  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LAYERS = [1, 3]
 TASKS = ["basic_arithmetic:6:0", "chain_sum:2:400000"]
 SAMPLING = dict(max_tokens=12, temperature=0.8, samples=2, seed=5)

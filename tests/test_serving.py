@@ -22,6 +22,8 @@ from point_reference import hf_point_run
 from reference import hf_rows, relative_error
 from serving_server import HEAD_LAYERS, LAYERS
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 #: The canonical sites the server's --points name (serving_server.SERVER_POINTS), in column order.
 SITES = [("attn_in", 0), ("attn_out", 1), ("mlp_out", 1), ("mlp_in", 3), ("mlp_out", 3)]
 PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
@@ -161,7 +163,10 @@ def test_prompts_cached_by_plain_requests_need_no_store_or_recompute(client, ser
     uncertainty has its own cache namespace, so it forwards that prompt itself: no rows from the
     store, no recompute, rows equal HF."""
     q = "A preamble no request with uncertainty has sent before, long enough for whole blocks. " * 3 + "8 + 5?"
-    counters = lambda: [server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed")]
+
+    def counters() -> list[int]:
+        return [server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed")]
+
     for _ in range(2):
         plain = chat(client, q, max_tokens=4, temperature=0)
     assert plain.usage.prompt_tokens > 64
@@ -217,7 +222,10 @@ def test_capture_points_are_served_named_and_equal_hf_hooks(client, server, tiny
     model = tiny_models["llama"]
     sites = [("mlp_out", 3), ("attn_in", 0), ("attn_out", 1)]
     body = {"uncertainty": {"rows": {"layers": [0, 4], "points": ["mlp_out.3", ["pre_attn", 0], "post_attn.1"]}}}
-    filled = lambda: sum(server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed"))
+
+    def filled() -> int:
+        return sum(server.get_json("/uhead/status")[k] for k in ("rows_from_store", "rows_recomputed"))
+
     before = filled()
     for _ in range(2):  # prefix-cached prompt blocks: their rows come from the row store
         res = chat(client, PREFIX + "What is 4 + 9?", n=2, max_tokens=12, temperature=1.0, seed=5, extra_body=body)

@@ -9,10 +9,11 @@ import pytest
 
 from serving_server import serve
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 QUESTIONS = ["What is 7 + 8?", "What is 45 + 38?", "What is 12 * 3?"]
 
 
-@pytest.mark.slow
 def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
     from uhead_vllm.client import UncertaintyClient
     from uhead_vllm import answer

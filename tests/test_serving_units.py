@@ -1,4 +1,5 @@
-"""Serving pieces that need no engine: the request field's checks and the worker's fetch by tags."""
+"""Serving pieces that need no engine: the request field's checks, the body guard and the engine
+gate on reserved keys, the rows budget per response, and the worker's fetch by tags."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_spec_defaults_and_errors():
     for bad, needle in [([1], "must be true or an object"), ({"x": 1}, "unknown key"),
                         ({"rows": {"layers": []}}, "non-empty list"), ({"rows": {"layers": [3]}}, "not captured"),
                         ({"rows": {"layers": [0, 0]}}, "duplicates"), ({"rows": {"dtype": "int8"}}, "dtype"),
+                        ({"rows": {"dtype": ["float32"]}}, "dtype"), ({"rows": {"dtype": {"a": 1}}}, "dtype"),
                         ({"steps": "yes"}, "boolean"), ({"max_bytes": -1}, "positive"),
                         ({"max_bytes": 1 << 30}, "server's limit"), ({"head": "g"}, "unknown head"),
                         ({"steps": False}, "asks for nothing")]:
@@ -133,3 +135,80 @@ def test_record_keeps_rows_per_sequence():
                             z([9, 9, 9, 9]), z([0, 4])))
     pos, ids, hidden = r.captured(5, 0)
     assert pos.tolist() == [0, 1] and r.captured(5, 1)[0].tolist() == [0] and r.captured(7, 1) is None
+
+
+def test_body_guard_refuses_reserved_keys_anywhere_and_fields_a_route_cannot_serve():
+    from uhead_vllm.serving.guard import refusal
+
+    tag = {"uhead_vllm": {"tag": 1, "sample": 0}}
+    for path in ["/v1/responses", "/v1/messages", "/v1/chat/completions/batch", "/v1/completions",
+                 "/v1/chat/completions", "/anything"]:
+        assert "reserved" in refusal(path, {"vllm_xargs": tag})
+        assert "reserved" in refusal(path, {"vllm_xargs": {"UHEAD_VLLM_serve": "k"}})
+        assert "reserved" in refusal(path, {"sampling_params": {"extra_args": tag}})  # nested (tokens-in route)
+        assert "reserved" in refusal(path, {"vllm_xargs": '{"uhead_vllm": 1}'})  # a form field's JSON string
+        assert refusal(path, {"vllm_xargs": {"other": 1}, "messages": [{"content": "uhead_vllm"}]}) is None
+    assert refusal("/v1/chat/completions", {"vllm_xargs": {"uhead_steer": []}}) is None  # checked by the handler
+    assert "served on" in refusal("/v1/messages", {"vllm_xargs": {"uhead_steer": "x"}})
+    assert "'uncertainty' is served on" in refusal("/v1/responses", {"uncertainty": True})
+    assert "'steer' is served on" in refusal("/v1/chat/completions/batch", {"steer": []})
+    assert refusal("/v1/responses", {"uncertainty": False}) is None
+    deep = {"vllm_xargs": tag}
+    for _ in range(5000):
+        deep = {"a": [deep]}
+    assert "reserved" in refusal("/v1/responses", deep)  # no recursion limit
+
+
+def test_engine_gate_lets_through_only_what_the_server_minted():
+    from vllm import SamplingParams
+
+    from uhead_vllm.adapters.server import MINTED_KEY, ReservedKeysError, _checked, minted
+    from uhead_vllm.serving.spec import reserved_keys
+
+    forged = SamplingParams(max_tokens=2, extra_args={"uhead_vllm": {"tag": 1, "sample": 0}})
+    with pytest.raises(ReservedKeysError, match="reserved"):
+        _checked(forged, reserved_keys)
+    forged.extra_args[MINTED_KEY] = "Minted"  # a JSON value is never the mark
+    with pytest.raises(ReservedKeysError):
+        _checked(forged, reserved_keys)
+    ours = minted(SamplingParams(max_tokens=2, extra_args={"uhead_steer": [], "x": 1}))
+    passed = _checked(ours, reserved_keys)
+    assert passed.extra_args == {"uhead_steer": [], "x": 1} and MINTED_KEY in ours.extra_args  # a copy left the shared one
+    plain = SamplingParams(max_tokens=2, extra_args={"x": 1})
+    assert _checked(plain, reserved_keys) is plain
+
+
+def test_rows_budget_counts_prompt_rows_per_response_before_generating():
+    spec = parse_uncertainty({"rows": {"layers": [0, 2]}, "max_bytes": 10_000}, LIMITS)
+    record = RequestRecord("k", spec, 0)
+    record.row_bytes = 2 * 128 * 4
+    record.new_prompt(1, True, 5, 4)  # 8 rows x 1024 bytes
+    with pytest.raises(BadUncertaintyRequest, match=r"can take 18432 bytes .*2 sequence\(s\) x \(2 prompt \+ 4"):
+        record.new_prompt(2, True, 2, 4)  # the second prompt's rows push the response over
+    assert len(record.prompts) == 1 and record.rows_bound == 8 * 1024
+
+
+def test_steering_that_overflows_is_refused_and_scores_stay_json():
+    import json
+
+    import torch
+
+    from uhead_vllm.serving.handlers import finite_scores
+    from uhead_vllm.serving.spec import MAX_STEER_NORM, parse_steer
+
+    def steer(vector, scale=1.0, dtype=torch.float32):
+        return parse_steer([{"point": "mlp_out", "layer": 1, "vector": vector, "scale": scale}], None, True, 4, 2, dtype)
+
+    assert steer([3.0, 4.0], MAX_STEER_NORM / 5).terms[0].scale == MAX_STEER_NORM / 5
+    for vector, scale, dtype in [([1e39, 0.0], 1.0, torch.float32), ([0.1, 0.1], 1e30, torch.float32),
+                                 ([1e200, 1e200], 0.0, torch.float32), ([300.0, 0.0], 1.0, torch.float16)]:
+        with pytest.raises(BadUncertaintyRequest, match="norm"):
+            steer(vector, scale, dtype)
+    with pytest.raises(BadUncertaintyRequest, match="steer"):
+        steer([10 ** 400, 0])
+    two = [{"point": "mlp_out", "layer": 1, "vector": [6e5, 0.0]}] * 2  # each fits, together they do not
+    with pytest.raises(BadUncertaintyRequest, match="mlp_out.1"):
+        parse_steer(two, None, True, 4, 2, torch.float32)
+    obj = finite_scores({"answer_p_wrong": float("nan"), "steps": [{"p_wrong": float("inf"), "features": [1.0, float("nan")]}]})
+    assert json.loads(json.dumps(obj, allow_nan=False)) == {"answer_p_wrong": None,
+                                                            "steps": [{"p_wrong": None, "features": [1.0, None]}]}

@@ -24,6 +24,8 @@ from safetensors import safe_open
 
 from reference import assert_rows_match
 
+pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
+
 LAYERS = (0, 2, 4)  # tiny llama: 4 decoder layers
 SCRIPT = Path(__file__).parent / "scripts" / "capture_parallel.py"
 # Repetitive prompts give the ngram proposer matches; the random model's own continuation often

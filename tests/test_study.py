@@ -57,6 +57,7 @@ def dataset(tiny, tmp_path_factory):
     return out, list(calls)
 
 
+@pytest.mark.slow
 def test_collect_writes_manifest_answers_and_exact_rows(tiny, dataset):
     model, gen, _ = tiny
     out, calls = dataset
@@ -90,6 +91,7 @@ def test_collect_writes_manifest_answers_and_exact_rows(tiny, dataset):
     assert not seen & {a.question for a in StudyDataset(test_out).answers}
 
 
+@pytest.mark.slow
 def test_compare_datasets_sees_one_changed_value_and_ignores_creation_time(dataset, tmp_path):
     import shutil
 
@@ -117,6 +119,7 @@ def test_compare_datasets_sees_one_changed_value_and_ignores_creation_time(datas
     assert diff["max_abs_diff"] == pytest.approx(0.5, rel=0.02)  # bf16 rows
 
 
+@pytest.mark.slow
 def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     model, gen, _ = tiny
     out, _ = dataset
@@ -159,6 +162,7 @@ def test_train_evaluate_answer(tiny, dataset, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == [s.to_dict() for s in scored]
 
 
+@pytest.mark.slow
 def test_collect_several_sampled_answers_per_question(tiny, dataset, tmp_path):
     """samples=n keeps every sample (own rows, own grade); such a set trains next to a greedy one."""
     model, gen, calls = tiny
@@ -202,6 +206,7 @@ def test_default_head_matches_embedded_model(embedded_model, tiny_models):
         load_head(default_head_dir(), expect_model_identity=model_identity(tiny_models["llama"]))
 
 
+@pytest.mark.slow
 def test_main_job_answers_with_the_default_head(embedded_model, capsys):
     """`uhead-vllm answer` out of the box: embedded model + shipped head, per-step and per-answer."""
     scored = uhead_vllm.answer(["What is 7 + 8?", "Calculate 91 - 17 + 5."], model=str(embedded_model), max_tokens=32)

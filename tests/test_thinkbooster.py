@@ -139,6 +139,7 @@ def base_prompts(step_gen) -> list[str]:
     return [step_gen._apply_chat_template(chat, enable_thinking=False) for chat in CHATS]
 
 
+@pytest.mark.slow
 def test_online_best_of_n_two_steps(engine, head_model):
     path, _ = engine
     results, seen, step_gen = run_two_steps(head_model, "online_best_of_n", candidates_per_step=3)
@@ -153,6 +154,7 @@ def test_online_best_of_n_two_steps(engine, head_model):
                 assert s.raw_text.endswith(s.output.stop_reason)
 
 
+@pytest.mark.slow
 def test_beam_search_two_steps(engine, head_model):
     path, _ = engine
     results, seen, step_gen = run_two_steps(head_model, "beam_search", beam_size=2, candidates_per_beam=2,
@@ -164,6 +166,7 @@ def test_beam_search_two_steps(engine, head_model):
         assert r["validity_scores"] == [s.other_data["validity_score"] for s in r["steps"]]
 
 
+@pytest.mark.slow
 def test_score_refuses_what_it_cannot_score(engine, head_model):
     _, gen = engine
     out = head_model.generate(["the cat"], SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0]
@@ -181,6 +184,7 @@ def test_score_refuses_what_it_cannot_score(engine, head_model):
         UHeadVLLMModel(gen, HeadScorer(other))
 
 
+@pytest.mark.slow
 def test_logprob_baselines_through_the_model(engine):
     _, gen = engine
     model = UHeadVLLMModel(gen, MeanTokenEntropyScorer())

@@ -146,6 +146,7 @@ def _expander(gen, heads, seed=0, feature_head=None) -> Expander:
                     logprobs=3, feature_head=feature_head)
 
 
+@pytest.mark.slow
 def test_candidates_are_seeded_by_node_and_heads_read_exact_rows(tiny):
     path, gen = tiny
     scorer = _head(path, gen)
@@ -171,6 +172,7 @@ def test_candidates_are_seeded_by_node_and_heads_read_exact_rows(tiny):
     assert checked == 9
 
 
+@pytest.mark.slow
 def test_labelling_rule(tiny):
     _, gen = tiny
     ex = _expander(gen, {})
@@ -192,6 +194,7 @@ def test_labelling_rule(tiny):
     assert all(t.startswith("Let me add.\n") for t in calls[1:])
 
 
+@pytest.mark.slow
 def test_shared_tree_search_and_step_data(tiny):
     _, gen = tiny
     ex = _expander(gen, {})
@@ -222,6 +225,7 @@ def test_shared_tree_search_and_step_data(tiny):
     assert np.bincount(data.groups).tolist() == [2] * len(np.unique(data.groups))
 
 
+@pytest.mark.slow
 def test_search_resumes_from_the_saved_step_tree(tiny, tmp_path):
     """A search cut in the middle of a step and rerun in a fresh process (fresh Expander and
     TreeSearch reading the tree file) ends exactly as one uninterrupted run: same answers, same

@@ -1,6 +1,8 @@
 """uhead_vllm: exact single-pass hidden-state capture in vLLM, and uncertainty heads on top of it.
 
-The names below are the public API. Layers of the package: worker side inside vLLM
+The names below are the public API (20 names); everything else is imported from its subpackage, e.g.
+``uhead_vllm.generation.GenerationStats``, ``uhead_vllm.errors.HeadMismatchError``,
+``uhead_vllm.adapters.versions.SUPPORTED_VLLM``. Layers of the package: worker side inside vLLM
 (:mod:`uhead_vllm.capture`), vLLM-version adapters (:mod:`uhead_vllm.adapters`), engine side
 (:mod:`uhead_vllm.generation`), features and heads (:mod:`uhead_vllm.features`,
 :mod:`uhead_vllm.heads`), the main job (:mod:`uhead_vllm.scoring`), integrations
@@ -8,52 +10,29 @@ The names below are the public API. Layers of the package: worker side inside vL
 research pipeline (:mod:`uhead_vllm.study`).
 """
 
-from .adapters.versions import SUPPORTED_VLLM, UnsupportedVllmError
-from .errors import EngineDeadError, InputError, MissingExtraError, UheadError
-from .features import FeatureRecipe, StepSpan, split_steps, step_token_features
+from .errors import CaptureError, InputError, MissingExtraError, MissingRowsError, UheadError
+from .features import FeatureRecipe, split_steps
 from .generation import (
-    CaptureError,
-    CaptureNotInstalledError,
-    GenerationStats,
     HiddenStatesGeneration,
-    MissingRowsError,
     SampleHiddenStates,
-    StepRecord,
     VllmHiddenStatesGenerator,
     build_llm,
     capture_engine_kwargs,
 )
-from .heads import (
-    AttentionPoolingHead,
-    HeadFormatError,
-    HeadMismatchError,
-    HeadUsage,
-    LinearProbeHead,
-    RankingProbeHead,
-    UncertaintyHead,
-    default_head_dir,
-    load_head,
-    load_head_for_model,
-    ranking_head_dir,
-)
-from .models import embedded_model_path, model_identity, resolve_model
+from .heads import AttentionPoolingHead, HeadUsage, LinearProbeHead, UncertaintyHead, default_head_dir, load_head
+from .models import embedded_model_path
 from .scoring.answer import answer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # generation with exact hidden states
-    "VllmHiddenStatesGenerator", "build_llm", "capture_engine_kwargs", "HiddenStatesGeneration",
-    "SampleHiddenStates", "StepRecord", "GenerationStats",
-    # errors (all derive from UheadError)
-    "UheadError", "InputError", "EngineDeadError", "MissingExtraError", "CaptureError", "CaptureNotInstalledError",
-    "MissingRowsError", "UnsupportedVllmError", "HeadMismatchError", "HeadFormatError",
-    # features and heads
-    "FeatureRecipe", "StepSpan", "split_steps", "step_token_features", "UncertaintyHead",
-    "LinearProbeHead", "AttentionPoolingHead", "RankingProbeHead", "HeadUsage", "load_head", "load_head_for_model",
-    "default_head_dir", "ranking_head_dir",
     # the main job
-    "answer",
-    # models and versions
-    "embedded_model_path", "model_identity", "resolve_model", "SUPPORTED_VLLM",
+    "answer", "embedded_model_path",
+    # generation with exact hidden states
+    "build_llm", "capture_engine_kwargs", "VllmHiddenStatesGenerator", "HiddenStatesGeneration", "SampleHiddenStates",
+    # features and heads
+    "FeatureRecipe", "split_steps", "UncertaintyHead", "LinearProbeHead", "AttentionPoolingHead", "HeadUsage",
+    "load_head", "default_head_dir",
+    # errors (all derive from UheadError)
+    "UheadError", "InputError", "CaptureError", "MissingRowsError", "MissingExtraError",
 ]

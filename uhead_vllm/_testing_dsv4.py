@@ -1,8 +1,8 @@
 """Tiny random DeepSeek-V4 folders (mHC: ``hc_mult`` parallel residual streams per token).
 
 Not part of the library's API (hence the leading underscore). ``tests/test_multistream.py`` builds
-one for the CPU tests; ``experiments/gpu/probe_deepseek_v4.py`` builds one on the GPU machine (with
-the carried tokenizer and only sliding-window layers, see :data:`GPU_LAYER_TYPES`). Importing this
+one for the CPU tests; :data:`GPU_LAYER_TYPES` describes the GPU variant (with the carried tokenizer
+and only sliding-window layers). Importing this
 module needs neither pytest nor vLLM.
 """
 

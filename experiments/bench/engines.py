@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from uhead_vllm.generation.backends.aux import shared_row_files
+from uhead_vllm.generation.backends.transports import shared_row_files
 
 from . import baseline_extension
 from .workload import Workload

@@ -45,7 +45,7 @@ def workload() -> tuple[list[list[int]], object]:
     """The prompts' token ids and their destination (slots for prompt + TOKENS, prefix groups)."""
     from transformers import AutoTokenizer
 
-    from uhead_vllm.capture.protocol import RowDestination
+    from uhead_vllm.capture.destination import RowDestination
     from uhead_vllm.generation.prefix_groups import groups_within_slots, prefix_groups
     from uhead_vllm.models import embedded_model_path
 

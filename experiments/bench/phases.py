@@ -1,5 +1,5 @@
 """Wall-clock timers around the generator's phases, for the benchmarks that split its host time
-(``host_phases`` on CPU, ``bench_gpu --paired`` on the GPU host). Timers, not cProfile: cProfile
+(``bench_gpu --paired`` on the GPU host). Timers, not cProfile: cProfile
 inflates the many small calls of this work 2-5x."""
 
 from __future__ import annotations

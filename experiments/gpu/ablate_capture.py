@@ -191,7 +191,7 @@ def main() -> None:
     import vllm
     from transformers import AutoTokenizer
 
-    import uhead_vllm.generation.generator as generator_module
+    import uhead_vllm.generation.first_pass as generator_module
     from experiments.bench.engines import Config, Runner
     from experiments.bench.workload import Workload, rendered_prompts
     from experiments.bench.processes import EngineProcesses

@@ -30,7 +30,8 @@ import torch
 
 from experiments import provenance
 from uhead_vllm.adapters import ScheduledStep, StepOutputs
-from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, RowDestination
+from uhead_vllm.capture.destination import RowDestination
+from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
 from uhead_vllm.capture.recorder import RowRecorder
 from uhead_vllm.generation.host_memory import host_buffer
 

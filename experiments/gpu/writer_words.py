@@ -31,7 +31,7 @@ import torch
 
 from experiments import provenance
 from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
-from uhead_vllm.capture.protocol import destination_nbytes, file_views
+from uhead_vllm.capture.row_files import destination_nbytes, file_views
 
 SHAPES = {"smollm2": (3, 576), "llama8b": (3, 4096)}
 #: Program counts of the scatter kernel (scatter_kernel.py) measured beside index_copy_'s whole GPU.

@@ -246,14 +246,14 @@ def report(parsed: dict[str, Any], questions: list[Any], out: Path, command: str
     if len(texts) == len(questions):
         lines = [[s.strip() for s in t.split("\n") if s.strip()] for t in texts]
         labels = [tasks.label_steps(ls, bool(a)) for ls, a in zip(lines, acc)]
-        flat = [l for ls in labels for l in ls]
+        flat = [label for ls in labels for label in ls]
         answer_of = np.array([i for i, ls in enumerate(labels) for _ in ls])
         kept_scores: dict[str, np.ndarray] = {}
         for key in [k for k in values if k[0] == "claim"]:
             u = values[key]
             if len(u) != len(flat):
                 continue  # claims split differently from text lines; skip rather than misalign
-            keep = [i for i, l in enumerate(flat) if l is not None and np.isfinite(u[i])]
+            keep = [i for i, label in enumerate(flat) if label is not None and np.isfinite(u[i])]
             y = np.array([flat[i] for i in keep])
             if 0 < y.sum() < len(y):
                 raw, norm = polygraph_prr(y, np.array(u)[keep])
@@ -386,7 +386,9 @@ def main() -> None:
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)  # Hydra appends to an existing log: never mix two runs
     overrides = [f"uhead.head_path={head_dir}", f"dataset={csv}", f"hydra.run.dir={run_dir}", *a.overrides]
-    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG))
+    # the builder modules polygraph_eval imports by name (estimators/) live at the repository's root
+    env = dict(os.environ, HYDRA_CONFIG=str(CONFIG),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     cmd = [str(Path(sys.executable).parent / "polygraph_eval"), *overrides]
     shown = "HYDRA_CONFIG=$PWD/configs/polygraph/polygraph_eval_arith.yaml polygraph_eval " + " ".join(
         o.replace(str(REPO) + "/", "") for o in overrides)

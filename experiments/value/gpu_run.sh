@@ -4,7 +4,6 @@
 #   STUDY_TIMEOUT=480 bash experiments/value/gpu_run.sh STAGES [extra run_value_study args...]
 #   UNITS="basic_arithmetic:0 chain_sum_3x1:1" STUDY_TIMEOUT=560 bash experiments/value/gpu_run.sh search
 #   UNITS="chain_sum_3x1:0:0/4 chain_sum_3x1:0:1/4 ..." ... one unit's questions in K shard processes
-#   PROBE=1 [PROBE_ARGS=...] ... also runs experiments/value/temperature_probe.py next to the stages
 #   STACKS=1 ... each process samples its threads' stacks into $OUT/value/stacks.NAME.txt
 #   (experiments/value/stack_sampler.py: collapsed stacks, rewritten every 20 s)
 # One process runs all STAGES (one engine start); with UNITS, one search process per task:seed
@@ -38,7 +37,7 @@ ident = model_identity(embedded_model_path())
 want = json.load(open("uhead_vllm/heads/default/config.json"))["model_identity"]["weights_fingerprint"]
 print("model", ident, "matches the default head's fingerprint:", ident["weights_fingerprint"] == want, flush=True)
 PY
-echo "=== stages $STAGES units ${UNITS:-all} probe ${PROBE:-0} $(date +%T)"
+echo "=== stages $STAGES units ${UNITS:-all} $(date +%T)"
 T=$(date +%H%M%S)
 run() {  # run NAME ARGS...: one study process, its own log and its own vLLM compile cache (seeded
   local name=$1; shift  # from the first run's, so concurrent engines never write one cache dir)
@@ -49,7 +48,7 @@ run() {  # run NAME ARGS...: one study process, its own log and its own vLLM com
 }
 # Processes go round-robin over the GPUs. Eight processes on one H100 ran slower in total than
 # two (docs/value_study.md, "Reproduce"): shards of a unit are meant for several GPUs.
-N_PROCS=$(( $(wc -w <<< "${UNITS:-x}") + ${PROBE:-0} ))
+N_PROCS=$(wc -w <<< "${UNITS:-x}")
 N_GPUS=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$N_GPUS" -ge 1 ] || N_GPUS=1
 PER_GPU=$(( (N_PROCS + N_GPUS - 1) / N_GPUS ))
 MEM=$(python3 -c "print(round(0.85 / $PER_GPU, 2))")
@@ -59,11 +58,6 @@ KV=(); [ "$PER_GPU" -gt 1 ] && KV=(--kv-cache-gib "$(python3 -c "print(round(48 
 THREADS=(--threads $(( $(nproc) / N_PROCS > 0 ? $(nproc) / N_PROCS : 1 )))
 K=0
 PIDS=()
-if [ "${PROBE:-0}" = 1 ]; then
-  GPU=$((K % N_GPUS)); K=$((K + 1))  # set here: the backgrounded command runs in a subshell
-  CUDA_VISIBLE_DEVICES=$GPU run probe -m experiments.value.temperature_probe --work "$WORK" \
-    --out "$OUT/value/temperature_probe.json" --gpu-memory-utilization "$MEM" "${KV[@]}" "$@" ${PROBE_ARGS:-} & PIDS+=($!)
-fi
 if [ -n "${UNITS:-}" ]; then
   for u in $UNITS; do  # task:seed or task:seed:I/K (the I-th of K question shards)
     IFS=: read -r task seed shard <<< "$u"

@@ -96,7 +96,7 @@ def write(work: Path, results: Path, meta: dict) -> list[Path]:
            "ranking_head_search": step.get("search", []), "step_data": collect}
     jpath = results / "value_study.json"
     jpath.write_text(json.dumps(out, indent=2))
-    md = [f"# Value study: head-scored best-of-n and beam search (issue #16)", "",
+    md = ["# Value study: head-scored best-of-n and beam search", "",
           f"Commit `{meta['commit']}`; command `{meta['command']}`; {meta['platform']}.", ""]
     for task, s in tasks.items():
         md += [f"## {task}: {s['questions']} held-out questions x seeds {s['seeds']}", "",

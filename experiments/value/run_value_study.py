@@ -377,7 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-questions", type=int, default=None, help="first N training questions for step data")
     p.add_argument("--step-test-questions", type=int, default=None, help="first N held-out step-data questions")
     p.add_argument("--temperature", type=float, default=0.3,
-                   help="sampling temperature of candidates, rollouts and majority vote (see temperature_probe.py)")
+                   help="sampling temperature of candidates, rollouts and majority vote "
+                        "(the choice: experiments/results/value/temperature_probe.json)")
     p.add_argument("--collect-n", type=int, default=4)
     p.add_argument("--n", type=int, nargs="+", default=[4, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

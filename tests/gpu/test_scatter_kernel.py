@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_the_device_writes_each_places_last_row_and_token_into_the_registered_file(programs):
     from experiments.gpu.writer_words import shared_file  # a /dev/shm file, mapped as the worker maps row files
     from uhead_vllm.capture.file_writer import FileWriter, RegisteredFiles
-    from uhead_vllm.capture.protocol import destination_nbytes, file_views
+    from uhead_vllm.capture.row_files import destination_nbytes, file_views
 
     shape, dtype = (5000, 3, 576), "bfloat16"
     flat = shared_file(destination_nbytes(shape, dtype))

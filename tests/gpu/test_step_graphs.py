@@ -51,7 +51,8 @@ def test_recorded_decode_steps_from_fixed_buffers_land_exactly_with_graph_replay
     recorder's copies replay as graphs, and every row still reaches its slot with its token."""
     from uhead_vllm.adapters import ScheduledStep, StepOutputs
     from uhead_vllm.capture import step_batch
-    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag, RowDestination
+    from uhead_vllm.capture.destination import RowDestination
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
     from uhead_vllm.capture.recorder import RowRecorder
 
     monkeypatch.setattr(step_batch, "MAX_STEPS", 3)

@@ -94,7 +94,7 @@ def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[st
     from vllm import SamplingParams
 
     from uhead_vllm.generation import VllmHiddenStatesGenerator
-    from uhead_vllm.generation.backends.aux import shared_row_files
+    from uhead_vllm.generation.backends.transports import shared_row_files
 
     def keep(res, label: str) -> None:
         for per_prompt in res.hidden_states:
@@ -126,7 +126,7 @@ def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[st
     created, reused = files.created - created0, files.reused - reused0
     # A worker that cannot map the file (as on another host: the file it finds is not the engine
     # side's) answers after the requests were already sent: its rows then come back with the fetch.
-    import uhead_vllm.generation.backends.aux as aux
+    import uhead_vllm.generation.backends.transports as aux
 
     class ElsewhereDestination(aux.SharedDestination):
         def to_json(self) -> str:

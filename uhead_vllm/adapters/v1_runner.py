@@ -24,7 +24,7 @@ NAME = "v1"
 _PATCHED = "_uhead_vllm_patched"
 
 
-def runner_class() -> type:
+def runner_class() -> type[Any]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     return GPUModelRunner

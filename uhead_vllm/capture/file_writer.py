@@ -30,7 +30,7 @@ import torch
 
 from .. import envs
 from . import scatter_kernel
-from .protocol import file_views
+from .row_files import file_views
 
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 _WARMED: set[tuple[int, torch.dtype]] = set()  # (words per row, word) the scatter kernels were compiled for

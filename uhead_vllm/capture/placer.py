@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import envs
-from .protocol import RowDestination, shared_mark
+from .destination import RowDestination, shared_mark
 
 
 #: Rows copied per numpy assignment when a shared prompt row fans out to the members of a group.

@@ -8,14 +8,28 @@ took ~2.5 ms (two per step; bench_recorder, session 9), more than the rest of re
   strictly in order, and a region is free again once its rows are in their place;
 - what a step keeps until the fetch (its metadata) lives in a :class:`PinnedArena`, handed out
   bump-wise and freed all at once when the generation's rows are taken.
+
+:class:`HostStaging` holds both for the placing sinks (sinks/).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
+
+from .cuda_streams import CopyStream
 
 #: Region alignment: every dtype's views start aligned.
 _ALIGN = 64
+#: Pinned staging memory for steps the placer consumes: 40 decode steps of 256 requests x 3 layers
+#: of an 8B model in bf16, so a placer a few steps behind is no cost. A step larger than a quarter
+#: of it (a long prefill) gets pinned memory of its own: in the ring it left the following decode
+#: steps no room until placed, and each of them then paid a 7 ms pinned allocation (bench_recorder).
+STAGING_BYTES = 256 << 20
+#: Pinned memory per chunk for the metadata steps keep until the take (16 bytes per row).
+METADATA_CHUNK_BYTES = 4 << 20
 
 
 class PinnedRing:
@@ -90,3 +104,47 @@ def _aligned(nbytes: int) -> int:
 
 def _shaped(memory: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return memory.view(like.dtype).view(like.shape)
+
+
+class HostStaging:
+    """Pinned memory of the placed steps on a GPU (each made at first use): rows in a
+    :class:`PinnedRing`, metadata (positions and tokens for the placer; the device writer's slots)
+    in a :class:`PinnedArena` freed at the take (:meth:`reset`)."""
+
+    def __init__(self, copies: CopyStream) -> None:
+        self.copies = copies
+        self._ring: PinnedRing | None = None
+        self._arena: PinnedArena | None = None
+
+    def arena(self) -> PinnedArena:
+        if self._arena is None:
+            self._arena = PinnedArena(METADATA_CHUNK_BYTES)
+        return self._arena
+
+    def to_host(self, hidden: torch.Tensor, meta: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, object, Callable[[], None] | None]:
+        """Host copies of a batch's rows and metadata, on a GPU asynchronously on the side stream
+        (one event for both, the third value; None on CPU, where they are returned as they are:
+        new tensors, never engine buffers). The fourth value frees the rows' region of the ring
+        once placed (None: nothing to free; a batch larger than a quarter of the ring, or one that
+        finds no room in it, gets pinned memory of its own)."""
+        if hidden.device.type != "cuda":
+            return hidden, meta, None, None
+        if self._ring is None:
+            self._ring = PinnedRing(STAGING_BYTES)
+        staged = release = None
+        if hidden.numel() * hidden.element_size() <= STAGING_BYTES // 4:
+            staged = self._ring.host_copy(hidden)
+        host_meta = self.arena().host_copy(meta)
+        if staged is not None:
+            host_hidden, end = staged
+            release = functools.partial(self._ring.release, end)
+        else:
+            host_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        event = self.copies.copy_to_host([(host_hidden, hidden), (host_meta, meta)])
+        return host_hidden, host_meta, event, release
+
+    def reset(self) -> None:
+        """The take: the metadata of the generation's steps is no longer needed."""
+        if self._arena is not None:
+            self._arena.reset()

@@ -3,14 +3,9 @@
 from .backends import BACKENDS, CaptureNotInstalledError, capture_engine_kwargs, open_capture_client
 from .backends import AuxClient as CaptureClient
 from .engine import SMALL_CPU_ENGINE, UnsupportedModelError, build_generator, build_llm
-from .generator import (
-    CaptureError,
-    GenerationStats,
-    HiddenStatesGeneration,
-    MissingRowsError,
-    SampleHiddenStates,
-    VllmHiddenStatesGenerator,
-)
+from ..errors import CaptureError, MissingRowsError
+from .generator import VllmHiddenStatesGenerator
+from .results import GenerationStats, HiddenStatesGeneration, SampleHiddenStates
 from .prefix_store import PrefixRowStore
 from .step_cache import StepCache, StepRecord
 from .steering import SteeringError

@@ -169,7 +169,7 @@ class AttentionPoolingHead(UncertaintyHead):
             net.feat_std.copy_(tokens.std(dim=0, unbiased=False).clamp_min(1e-6))
             opt = torch.optim.AdamW(net.parameters(), lr=self.lr, weight_decay=self.weight_decay)
             loss_fn = nn.BCEWithLogitsLoss(pos_weight=torch.tensor((len(y_train) - n_wrong) / n_wrong))
-            best = {"auc": -math.inf, "loss": math.inf, "epoch": -1, "state": None}
+            best: dict[str, Any] = {"auc": -math.inf, "loss": math.inf, "epoch": -1, "state": None}
             bad_epochs, epoch = 0, 0
             bar = tqdm(range(self.max_epochs), desc=type(self).__name__, disable=not self.progress, leave=False)
             for epoch in bar:

@@ -248,6 +248,9 @@ class UncertaintyHead(ABC):
     head_type: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     _param_names: ClassVar[tuple[str, ...]] = ()
+    #: Learned attributes, set by ``fit`` or ``load`` (absent before: ``_check_fitted`` asks for them).
+    n_features_in_: int
+    training_summary_: dict[str, Any]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -15,7 +15,7 @@ from scipy.special import expit
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
-from ..features import FeatureRecipe, pool, pooled_dim
+from ..features import FeatureRecipe, Pooling, pool, pooled_dim
 from .base import HeadMismatchError, StepsLike, UncertaintyHead, check_labels
 
 
@@ -42,7 +42,7 @@ class LinearProbeHead(UncertaintyHead):
         self.max_iter = max_iter
 
     @property
-    def pooling(self) -> str:
+    def pooling(self) -> Pooling:
         return self.recipe.pooling if self.recipe else "mean"
 
     def _pooled(self, steps: list[torch.Tensor]) -> np.ndarray:

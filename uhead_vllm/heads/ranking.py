@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from scipy.special import expit
 
-from ..features import FeatureRecipe, pool, pooled_dim
+from ..features import FeatureRecipe, Pooling, pool, pooled_dim
 from .base import HeadMismatchError, StepsLike, UncertaintyHead, check_labels
 
 
@@ -72,7 +72,7 @@ class RankingProbeHead(UncertaintyHead):
         self.epochs = epochs
 
     @property
-    def pooling(self) -> str:
+    def pooling(self) -> Pooling:
         return self.recipe.pooling if self.recipe else "mean"
 
     def pooled(self, steps: StepsLike, fitting: bool = False) -> np.ndarray:

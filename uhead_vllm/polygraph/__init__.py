@@ -3,7 +3,7 @@
 ``polygraph_eval`` loads the builder modules in the top-level ``estimators`` package by name; they
 forward to :mod:`.builders`. The Hydra configs are in ``configs/polygraph/`` (YAML, plus thin files
 polygraph_eval loads by path: the model load script -> :mod:`.loading`, the answer processing ->
-:mod:`.processing`); see docs/polygraph.md.
+:mod:`.processing`); see docs/integrations.md.
 """
 
 from .adapter import (

@@ -14,7 +14,7 @@ Stat names (what estimators may depend on):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -127,7 +127,7 @@ class UheadFeaturesCalculator(StatCalculator):
         if split_mode not in ("line", "sentence"):
             raise ValueError(f"split_mode must be 'line' or 'sentence', got {split_mode!r}")
         self.recipe = recipe
-        self.split_mode = split_mode
+        self.split_mode: Literal["line", "sentence"] = "sentence" if split_mode == "sentence" else "line"
 
     def __repr__(self) -> str:
         return "UheadFeaturesCalculator"

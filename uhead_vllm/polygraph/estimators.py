@@ -6,7 +6,7 @@ Uncertainty is the head's P(wrong): higher = more uncertain, as lm-polygraph exp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from lm_polygraph.estimators.estimator import Estimator
@@ -82,12 +82,20 @@ class UHeadSequence(_HeadEstimator):
         self._check(stats)
         if self.reduce == "whole":
             return self._proba(stats["uhead_sequence_features"])
-        fn = {"max": np.nanmax, "mean": np.nanmean, "last": lambda a: a[-1]}[self.reduce]
+        fn = _REDUCERS[self.reduce]
         out = []
         for feats in stats["uhead_claim_features"]:
             p = self._proba(feats)
             out.append(float(fn(p)) if len(p) and not np.isnan(p).all() else np.nan)
         return np.array(out)
+
+
+def _last(values: np.ndarray) -> Any:
+    return values[-1]
+
+
+#: How a sequence estimator reduces its claims' P(wrong) to one value.
+_REDUCERS: dict[str, Callable[[np.ndarray], Any]] = {"max": np.nanmax, "mean": np.nanmean, "last": _last}
 
 
 class UHeadClaim(_HeadEstimator):

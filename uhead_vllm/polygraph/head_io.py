@@ -29,7 +29,7 @@ def resolve_head_dir(head_path: str | Path | None) -> Path:
         what = f"the default head for the embedded model ({path})" if is_default else f"{path}"
         raise HeadNotFoundError(
             f"no saved uncertainty head at {what}: missing {', '.join(missing)}. Train and save one "
-            "(head.save(dir), see docs/polygraph.md) and point uhead.head_path=<dir> at it"
+            "(head.save(dir), see docs/integrations.md) and point uhead.head_path=<dir> at it"
             + ("; the default head has not been produced in this checkout yet" if is_default else "")
         )
     return path.resolve()

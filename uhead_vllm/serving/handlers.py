@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, AsyncIterator, Callable
 
 from .record import RequestRecord
 from .service import UncertaintyService
-from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_steer, parse_uncertainty
+from .spec import BadUncertaintyRequest, check_row_budget, check_user_xargs, parse_steer, parse_uncertainty, row_bytes
 from ..adapters.server import MARK
 from ..generation.steering import CAPTURE_CACHE_SALT
 
@@ -32,7 +33,7 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
         try:
             check_user_xargs(request.vllm_xargs)
             steer = parse_steer((request.model_extra or {}).get("steer"), request.vllm_xargs, service.settings.steering,
-                                service.num_layers, service.hidden_size)
+                                service.num_layers, service.hidden_size, handler.model_config.dtype)
             spec = parse_uncertainty((request.model_extra or {}).get("uncertainty"), service.limits)
             if spec is not None:
                 max_tokens = (request.max_completion_tokens if chat and request.max_completion_tokens is not None
@@ -48,7 +49,8 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             # Steered states are other states for the same tokens: their own KV blocks and stored rows.
             salt = steer.digest() if not request.cache_salt else f"{request.cache_salt}:{steer.digest()}"
             request.cache_salt = salt
-            request.vllm_xargs = {**(request.vllm_xargs or {}), **steer.to_extra_args()}
+            # MARK "": checked here, so the tap mints it for the engine's gate (nothing to capture)
+            request.vllm_xargs = {**(request.vllm_xargs or {}), **steer.to_extra_args(), MARK: ""}
         if spec is None:
             return await original(request, raw_request)
         if steer is None:
@@ -56,10 +58,16 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             # row store may hold), never a plain request's: see generation/steering.py.
             request.cache_salt = (CAPTURE_CACHE_SALT if not request.cache_salt
                                   else f"{request.cache_salt}:{CAPTURE_CACHE_SALT}")
-        record = service.open(spec, salt=salt, steer_args=steer.to_extra_args() if steer is not None else {})
+        # Rows are stored and recomputed under the request's whole cache_salt (a client's own included).
+        steer_args = steer.to_extra_args() if steer is not None else {}
+        record = service.open(spec, salt=request.cache_salt, steer_args=steer_args)
+        record.row_bytes = row_bytes(spec, service.hidden_size)  # the tap checks the budget per prompt
         request.vllm_xargs = {**(request.vllm_xargs or {}), MARK: record.key}
         try:
             result = await original(request, raw_request)
+        except BadUncertaintyRequest as exc:  # the rows budget, checked with the prompt before generating
+            service.release_soon(record)
+            return handler.create_error_response(str(exc))
         except BaseException:
             service.release_soon(record)
             raise
@@ -70,7 +78,7 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             return result
         try:
             await service.fetch(record)
-            objects = [await service.choice_uncertainty(record, c.index) for c in result.choices]
+            objects = [finite_scores(await service.choice_uncertainty(record, c.index)) for c in result.choices]
             service.check_rows_size(record, objects)
             for choice, obj in zip(result.choices, objects):
                 setattr(choice, "uncertainty", obj)
@@ -81,6 +89,18 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
         return result
 
     setattr(handler, method, create)
+
+
+def finite_scores(obj: Any) -> Any:
+    """The uncertainty object with every non-finite number (a NaN score of overflowing states)
+    as null: JSON has no NaN, and a bare ``NaN`` would break a client's parser."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_scores(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite_scores(v) for v in obj]
+    return obj
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -103,7 +123,10 @@ async def _stream(chunks: AsyncIterator[str], record: RequestRecord, service: Un
             except RuntimeError:
                 pass
         if done:
-            await service.release(record)
+            try:
+                await service.release(record)
+            except Exception:  # the engine died: the stream still ends as vLLM ended it (error, [DONE])
+                logger.warning("uncertainty request %s not released: %s", record.key, "engine dead", exc_info=True)
         else:
             service.release_soon(record)
 
@@ -121,10 +144,8 @@ async def _annotate(text: str, record: RequestRecord, service: UncertaintyServic
             try:
                 if choice.get("finish_reason") is not None:
                     await service.fetch(record)
-                    obj = await service.choice_uncertainty(record, idx)
-                    if record.spec.rows and obj.get("rows", {}).get("raw_bytes", 0) > record.spec.max_bytes:
-                        obj["rows"] = {"error": f"rows budget exceeded: {obj['rows']['raw_bytes']} bytes "
-                                                f"(prompt rows included) > max_bytes {record.spec.max_bytes}"}
+                    obj = finite_scores(await service.choice_uncertainty(record, idx))
+                    _count_rows_sent(record, obj)
                     choice["uncertainty"] = obj
                     touched = True
                 elif record.spec.steps and _step_may_end(choice, record, service, idx):
@@ -133,7 +154,7 @@ async def _annotate(text: str, record: RequestRecord, service: UncertaintyServic
                     if _seq(record, idx).steps_sent > sent:
                         _seq(record, idx).boundary_pending = False
                     if steps:
-                        choice["uncertainty"] = {"steps": steps}
+                        choice["uncertainty"] = {"steps": finite_scores(steps)}
                         touched = True
             except Exception as exc:  # never break the answer stream over a score
                 logger.exception("uncertainty for choice %s failed", idx)
@@ -143,6 +164,18 @@ async def _annotate(text: str, record: RequestRecord, service: UncertaintyServic
             events[i] = "data: " + json.dumps(chunk, ensure_ascii=False)
             changed = True
     return "\n\n".join(events) if changed else text
+
+
+def _count_rows_sent(record: RequestRecord, obj: dict) -> None:
+    """The rows budget is per response, streamed or not: the choices' rows add up. (The tap
+    refuses before generating what could exceed it; this holds where a prompt length was unknown.)"""
+    rows = obj.get("rows")
+    if not record.spec.rows or not isinstance(rows, dict) or "raw_bytes" not in rows:
+        return
+    record.rows_sent += rows["raw_bytes"]
+    if record.rows_sent > record.spec.max_bytes:
+        obj["rows"] = {"error": f"rows budget exceeded: the rows of this response take {record.rows_sent} bytes "
+                                f"(prompt rows included) > max_bytes {record.spec.max_bytes}"}
 
 
 def _step_may_end(choice: dict, record: RequestRecord, service: UncertaintyService, idx: int) -> bool:

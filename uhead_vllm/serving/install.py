@@ -13,7 +13,9 @@ from typing import Any
 from ..capture.protocol import CAPTURE_KEY, CaptureSettings
 from .service import UncertaintyService
 from ..adapters.model import residual_streams
-from ..adapters.server import EngineTap, install_child_tags
+from ..adapters.server import (EngineTap, TrustedEngine, end_requests_when_engine_stops, install_child_tags,
+                               install_engine_gate)
+from .spec import reserved_keys
 
 SERVE_KEY = "uhead_vllm_serve"
 DEFAULT_MAX_ROWS_BYTES = 64 << 20
@@ -41,9 +43,12 @@ def install(state: Any) -> UncertaintyService:
         raise NotImplementedError(MULTI_STREAM_REFUSAL.format(streams=streams))
     cfg = extra.get(SERVE_KEY, {}) or {}
     engine = state.engine_client
+    # Every route's requests meet the gate; the server's own (the tap's, the recompute's) are minted.
+    install_engine_gate(engine, reserved_keys)
+    end_requests_when_engine_stops(engine)  # running requests must not hold a stopping server open
     scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
     service = UncertaintyService(
-        engine, scorer, settings, vllm_config.model_config.get_hidden_size(), vllm_config.cache_config.block_size,
+        TrustedEngine(engine), scorer, settings, vllm_config.model_config.get_hidden_size(), vllm_config.cache_config.block_size,
         int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)), int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)),
         vllm_config.model_config.get_total_num_hidden_layers())
     install_child_tags()

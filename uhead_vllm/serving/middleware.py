@@ -4,7 +4,8 @@ Load it with vLLM's ``--middleware uhead_vllm.serving.UncertaintyMiddleware``. A
 (the ASGI lifespan, after vLLM has built its handlers) it installs the service
 (:func:`install`); it also serves the small web page at ``/`` and ``GET /uhead/status``
 (memory and counters) and ``GET /uhead/info`` (model, head, layers and points, the head's prompt).
-Every other request passes through untouched.
+Every request body is checked first (:mod:`.guard`: reserved ``extra_args`` keys, fields a route
+cannot serve); what passes goes to vLLM unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from importlib.resources import files
 from typing import Any
 
 from ..capture.points import site_name
+from .guard import FORM_TYPES, parse_body, refusal
 from .install import install
 
 logger = logging.getLogger("uhead_vllm.serving")
@@ -40,7 +42,74 @@ class UncertaintyMiddleware:
                 if route is not None:
                     response = await route(service)
                     return await response(scope, receive, send)
+            elif scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await _read_body(receive)
+                if body is None:
+                    return None  # the client left before sending its body
+                why = await _refusal(scope, body)
+                if why is not None:
+                    return await _bad_request(why)(scope, receive, send)
+                receive = _replay(body, receive)
         return await self.app(scope, receive, send)
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A receive that hands vLLM the body read here, then the client's own messages (disconnect)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _refusal(scope: dict, body: bytes) -> str | None:
+    path = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root):
+        path = path[len(root):]
+    path = path.rstrip("/") or "/"
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    content_type = headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() not in FORM_TYPES:
+        return refusal(path, parse_body(content_type, body))
+    from starlette.requests import Request
+
+    form = await Request(scope, _replay(body, _no_more)).form()
+    try:
+        for key, value in form.multi_items():
+            why = refusal(path, {key: value}) if isinstance(value, str) else None
+            if why is not None:
+                return why
+    finally:
+        await form.close()
+    return None
+
+
+async def _no_more() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def _bad_request(message: str) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}},
+                        status_code=400)
 
 
 async def _page(service: Any) -> Any:
@@ -51,8 +120,13 @@ async def _page(service: Any) -> Any:
 
 async def _status(service: Any) -> Any:
     from starlette.responses import JSONResponse
+    from vllm.v1.engine.exceptions import EngineDeadError
 
-    return JSONResponse(await service.status())
+    try:
+        return JSONResponse(await service.status())
+    except EngineDeadError:  # the RPC ended with the engine core (it never hangs on a dead one)
+        return JSONResponse({"error": {"message": "the engine is dead", "type": "EngineDeadError", "param": None,
+                                       "code": 503}}, status_code=503)
 
 
 async def _info(service: Any) -> Any:

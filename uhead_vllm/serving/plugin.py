@@ -28,9 +28,9 @@ NAME = "uhead_vllm"
 def enabled() -> bool:
     """True where vLLM's ``VLLM_PLUGINS`` names this plugin (vLLM loads general plugins by default;
     this one changes nothing unless asked for by name)."""
-    import vllm.envs
+    from ..adapters.engine_args import plugin_allowlisted
 
-    return NAME in (vllm.envs.VLLM_PLUGINS or [])
+    return plugin_allowlisted(NAME)
 
 
 def register() -> None:

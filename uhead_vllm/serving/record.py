@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..capture.protocol import CapturedRows
-from .spec import UncertaintySpec
+from .spec import BadUncertaintyRequest, UncertaintySpec
 
 
 def new_tag() -> int:
@@ -64,10 +64,28 @@ class RequestRecord:
         self.prompts: list[PromptState] = []
         self._rows: dict[tuple[int, int], _RowChunks] = {}
         self.capture_errors: list[str] = []
+        self.row_bytes = 0  # bytes of one returned row (columns x hidden x dtype), 0 = no rows asked
+        self.rows_bound = 0  # most bytes the rows of the prompts registered so far can take
+        self.rows_sent = 0  # bytes of rows already sent in a stream's finished choices
 
     # ------------------------------------------------------------------ engine outputs
-    def new_prompt(self, n: int, delta: bool) -> tuple[int, int]:
-        """Register one generate call; returns (prompt index, its tag)."""
+    def new_prompt(self, n: int, delta: bool, prompt_len: int | None = None,
+                   max_tokens: int | None = None) -> tuple[int, int]:
+        """Register one generate call; returns (prompt index, its tag).
+
+        With the prompt's length and vLLM's ``max_tokens`` the request's rows budget is checked
+        here, before anything runs, streamed or not: its sequences can return at most
+        ``prompt_len + max_tokens - 1`` rows each (the last sampled token has none). Raises
+        :class:`BadUncertaintyRequest` (HTTP 400) when the response's rows could exceed it."""
+        if self.row_bytes and prompt_len is not None and max_tokens is not None:
+            bound = self.rows_bound + n * (prompt_len + max_tokens - 1) * self.row_bytes
+            if bound > self.spec.max_bytes:
+                raise BadUncertaintyRequest(
+                    f"rows budget exceeded: the rows of this response can take {bound} bytes "
+                    f"(this prompt: {n} sequence(s) x ({prompt_len} prompt + {max_tokens} max_tokens - 1) rows "
+                    f"x {self.row_bytes} bytes) > max_bytes {self.spec.max_bytes}; ask for fewer layers, "
+                    "points or tokens, bfloat16, or a larger max_bytes")
+            self.rows_bound = bound
         self.prompts.append(PromptState(new_tag(), n, delta))
         return len(self.prompts) - 1, self.prompts[-1].tag
 

@@ -3,7 +3,8 @@
 The final scores go through :func:`uhead_vllm.scoring.scored.score_generation` itself, fed with
 the ids and logprobs vLLM returned and the sequence's exact rows, so a served answer gets the
 same numbers as the offline job. :func:`score_spans` scores steps of a still-growing answer
-(streaming) with the same features.
+(streaming) with the same features. Both give the head one step at a time, so a step's score
+never depends on which other steps share its batch: streamed step scores equal the final ones.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ class _Sample:
         return self.rows
 
 
+class _OneStepAtATime:
+    """The head, scoring each step alone. Batched, a step's score moves with its batch (matrix
+    kernels and padding differ by batch shape, ~1e-7); alone, equal features give equal scores."""
+
+    def __init__(self, head: UncertaintyHead):
+        self._head = head
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+    def predict_proba(self, steps: Sequence[torch.Tensor]) -> np.ndarray:
+        return np.concatenate([self._head.predict_proba([s]) for s in steps]) if len(steps) else np.empty(0)
+
+
 def step_dict(text: str, start: int, end: int, p: float | None) -> dict[str, Any]:
     return {"text": text, "token_start": start, "token_end": end, "p_wrong": p}
 
@@ -47,6 +62,7 @@ class Scorer:
 
     def __init__(self, head: UncertaintyHead, name: str, tokenizer: Any, layers: Sequence[int]):
         self.head = head
+        self._stepwise = _OneStepAtATime(head)
         self.name = name
         self.tokenizer = tokenizer
         self.layers = tuple(layers)  # the captured layers, in the order rows carry them
@@ -65,7 +81,7 @@ class Scorer:
         """``{answer_p_wrong, steps}`` of a finished sequence (P(wrong) None where no row exists)."""
         out = _Output(token_ids, logprobs, text, finish_reason)
         try:
-            scored = score_generation(self.head, out, _Sample(generated_rows, self.layers), self.tokenizer,
+            scored = score_generation(self._stepwise, out, _Sample(generated_rows, self.layers), self.tokenizer,
                                       self.recipe, "")
         except ValueError:  # e.g. a one-token answer: no generated row to score
             spans = split_steps(token_ids, self.tokenizer, mode=self.recipe.split_mode) if token_ids else []
@@ -99,7 +115,7 @@ class Scorer:
                     spans: Sequence[StepSpan]) -> list[dict[str, Any]]:
         """Scores of complete steps of a growing answer (their rows all exist already)."""
         feats = self._token_features(token_ids, logprobs, generated_rows, spans)
-        probs = iter(self.head.predict_proba([f for f in feats if f is not None])
+        probs = iter(self._stepwise.predict_proba([f for f in feats if f is not None])
                      if any(f is not None for f in feats) else np.empty(0))
         return [step_dict(self._text(token_ids, s), s.start, s.end, None if f is None else float(next(probs)))
                 for s, f in zip(spans, feats)]

@@ -1,9 +1,11 @@
 """Per-request uncertainty work inside the API server: fetch this request's rows, make them
 exact, score them, encode the rows a client asked for.
 
-One instance per server. It holds the row store and the registry of running uncertainty requests;
-all of it runs on the server's event loop, so no locks are needed. Rows cross the process boundary
-only as safetensors bytes (``uhead_fetch_tags``), never pickled.
+One instance per server. It holds the row completion (the generator's: row store, recompute; see
+generation/completion.py) and the registry of running uncertainty requests; all of it runs on the
+server's event loop, so no locks are needed. Rows cross the process boundary only as safetensors
+bytes (``uhead_fetch_tags``), never pickled; every exit path of a recompute (a client leaving
+included) takes its rows out of the worker.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from ..capture.points import site_name
-from ..capture.protocol import CapturedRows, CaptureSettings, RequestTag, decode_rows
-from ..generation.prefix_store import PrefixRowStore
+from ..capture.protocol import CapturedRows, CaptureSettings, decode_rows
+from ..generation.completion import Recompute, RowCompletion, SequenceRows
 from .record import RequestRecord, new_tag
-from .rows import complete_rows, place_captured
 from .scoring import Scorer
 from .spec import BadUncertaintyRequest, ServerLimits, UncertaintySpec
 
@@ -38,7 +39,7 @@ class UncertaintyService:
         self.settings = settings  # what the worker captures: layers, then points (serve --points), dtype, steering
         self.hidden_size = hidden_size
         self.num_layers = num_layers
-        self.store = PrefixRowStore(block_size, store_bytes)
+        self.completion = RowCompletion(block_size, store_bytes, new_tag)
         self.limits = ServerLimits(settings.layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
                                    settings.points)
         self.registry: dict[str, RequestRecord] = {}
@@ -82,20 +83,38 @@ class UncertaintyService:
                                "extension installed (--worker-extension-cls)?")
         return decode_rows(payloads[0])
 
-    async def _recompute(self, ids: list[int], record: RequestRecord) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward ``ids`` once more (steered like ``record``), prefix cache not read, and return
-        the rows it captured."""
-        from vllm import SamplingParams
+    def _forget_soon(self, tags: list[int]) -> None:
+        """Take ``tags``' rows out of the worker and stop recording them, as a task of its own (the
+        caller may be cancelled: a client gone)."""
+        task = asyncio.ensure_future(self._fetch_tags(tags, forget=True))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an engine gone: nothing to free
 
-        tag = new_tag()
-        params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True,
-                                extra_args={**record.steer_args, **RequestTag(tag, 0).to_extra_args()})
-        prompt = {"prompt_token_ids": ids, **({"cache_salt": record.salt} if record.salt else {})}
-        async for _ in self.engine.generate(prompt, params, f"uhead-recompute-{tag}"):
-            pass
-        rows = await self._fetch_tags([tag], forget=True)
-        self.counters["recompute_requests"] += 1
-        return rows.positions, rows.token_ids, rows.hidden
+    async def _recompute(self, requests: list[Recompute]) -> CapturedRows:
+        """Forward the completion's recompute requests and take back their rows. On every other
+        exit (a client gone, an engine error) their rows still leave the worker: vLLM aborts a
+        request whose output stream is closed, and the forget follows the abort in the engine's
+        input queue."""
+        tags = [r.tag for r in requests]
+        taken = False
+        try:
+            await asyncio.gather(*(self._run(r) for r in requests))
+            rows = await self._fetch_tags(tags, forget=True)
+            taken = True
+        finally:
+            if not taken:
+                self._forget_soon(tags)
+        self.counters["recompute_requests"] += len(requests)
+        return rows
+
+    async def _run(self, request: Recompute) -> None:
+        outputs = self.engine.generate(request.prompt, request.params, f"uhead-recompute-{request.tag}")
+        try:
+            async for _ in outputs:
+                pass
+        finally:
+            await outputs.aclose()  # closing vLLM's generator aborts the request now, not at GC
 
     # ------------------------------------------------------------------ one sequence
     async def sequence_rows(self, record: RequestRecord, prompt_index: int, sample: int, need_from: int | None,
@@ -112,17 +131,17 @@ class UncertaintyService:
         prompt = p.prompt_token_ids or []
         expected = torch.tensor(prompt + s.token_ids, dtype=torch.int64)
         num_rows = max(len(expected) - 1, 0)
-        rows, valid = place_captured(expected, num_rows, record.captured(p.tag, sample), self.settings.num_columns,
-                                     self.hidden_size, self.settings.torch_dtype)
         start = len(prompt) if need_from is None else need_from
+        seq = SequenceRows.captured(expected, num_rows, record.captured(p.tag, sample), self.settings.num_columns,
+                                    self.hidden_size, self.settings.torch_dtype, salt=record.salt,
+                                    cache_salt=record.salt, steer_args=record.steer_args, need_from=start)
         if final:
-            stats = await complete_rows(expected, rows, valid, start, self.store,
-                                        lambda ids: self._recompute(ids, record), salt=record.salt.encode())
-            for k, v in stats.items():
-                self.counters[k] += v
-        elif not bool(valid[start:].all()):
+            done = await self.completion.complete_async([seq], self._recompute)
+            self.counters["rows_from_store"] += done.rows_from_store
+            self.counters["rows_recomputed"] += done.rows_recomputed
+        elif not bool(seq.valid[start:].all()):
             raise RuntimeError("rows of a running sequence are missing")  # caller falls back to the end
-        return rows, len(prompt)
+        return seq.rows, len(prompt)
 
     async def choice_uncertainty(self, record: RequestRecord, choice_index: int) -> dict[str, Any]:
         """The ``uncertainty`` object of one finished choice."""
@@ -194,7 +213,7 @@ class UncertaintyService:
         held = sum(w.get("bytes_held", 0) for w in worker if w.get("recording"))
         return {"running_requests": len(self.registry), "worker_bytes_held": held,
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
-                "store_bytes": self.store.bytes_held, "store_blocks": len(self.store),
+                "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
                 "captured_layers": list(self.settings.layers),
                 "captured_points": [site_name(s) for s in self.settings.points], "head": self.limits.head_name,
                 **self.counters}

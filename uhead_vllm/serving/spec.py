@@ -6,15 +6,22 @@ so the handler can answer HTTP 400 and the engine never sees a malformed request
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..capture.points import Site, parse_sites, site_name
 from ..errors import BadUncertaintyRequest
 
-#: Prefix of every ``vllm_xargs`` key the server uses internally; clients may not send them (a
-#: forged capture tag would read another request's rows or crash the worker's tag parser).
-RESERVED_XARGS_PREFIX = "uhead_vllm"
+#: Prefix (any case) of every ``vllm_xargs`` / ``extra_args`` key the engine side reads: capture
+#: tags (``uhead_vllm``), the server's marks, steering (``uhead_steer``). Clients may not send them
+#: (a forged tag would read another request's rows), except ``uhead_steer`` where the server
+#: checks and salts it (chat and completions).
+RESERVED_XARGS_PREFIX = "uhead_"
+#: Most a request's steering may add at one site: the sum over its terms of ``|scale| * ||vector||``
+#: (float16 models: the square root of float16's largest value). Larger additions overflow the
+#: model's arithmetic into inf / NaN states and scores.
+MAX_STEER_NORM = 1e6
 _KEYS = {"head", "steps", "rows", "features", "max_bytes"}
 _ROW_KEYS = {"layers", "points", "dtype"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -132,7 +139,7 @@ def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
     if not layers and not points:
         raise BadUncertaintyRequest("'uncertainty.rows' asks for no column: name layers or points")
     dtype = value.get("dtype", "float32")
-    if dtype not in _DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
         raise BadUncertaintyRequest(f"'uncertainty.rows.dtype' must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
     return RowsSpec(tuple(int(k) for k in layers), dtype, points)
 
@@ -174,10 +181,17 @@ def check_row_budget(spec: UncertaintySpec, num_sequences: int, max_tokens: int 
             "bfloat16, or a larger max_bytes")
 
 
-def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int, hidden_size: int) -> Any:
+def row_bytes(spec: UncertaintySpec, hidden_size: int) -> int:
+    """Bytes of one returned row (its layer and point columns), 0 when no rows are asked for."""
+    return spec.rows.num_columns * hidden_size * spec.rows.bytes_per_value if spec.rows else 0
+
+
+def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int, hidden_size: int,
+                model_dtype: Any = None) -> Any:
     """The request's steering spec (a :class:`~uhead_vllm.capture.steering.SteerSpec`, or None):
     the body field ``steer`` or ``vllm_xargs["uhead_steer"]`` — the same terms as
-    ``SamplingParams.extra_args["uhead_steer"]`` — checked against the model.
+    ``SamplingParams.extra_args["uhead_steer"]`` — checked against the model, and bounded
+    (:data:`MAX_STEER_NORM`) so finite numbers cannot overflow its ``model_dtype`` arithmetic.
 
     ``"generated"`` is refused here: a steered request gets a ``cache_salt`` from its spec, and
     "generated" steers other positions for every prompt length (a later request whose prompt
@@ -197,8 +211,9 @@ def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int,
     try:
         spec = SteerSpec.from_extra_args({STEER_KEY: value})
         spec.check(num_layers, hidden_size)
-    except SteerSpecError as exc:
+    except (SteerSpecError, OverflowError) as exc:  # OverflowError: an integer too large for a float
         raise BadUncertaintyRequest(f"steer: {exc}") from None
+    _check_steer_size(spec, model_dtype)
     if spec.uses_prompt_length:
         raise BadUncertaintyRequest("steer: tokens 'generated' is not served (its cache salt would depend on "
                                     "the prompt length, which the server learns only after vLLM renders the "
@@ -206,8 +221,33 @@ def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int,
     return spec
 
 
+def _check_steer_size(spec: Any, model_dtype: Any) -> None:
+    """Refuse steering whose additions at one site exceed :data:`MAX_STEER_NORM`."""
+    import torch
+
+    limit = math.sqrt(torch.finfo(torch.float16).max) if model_dtype == torch.float16 else MAX_STEER_NORM
+    sites: dict[tuple[str, int], float] = {}
+    for t in spec.terms:
+        norm = abs(t.scale) * math.sqrt(math.fsum(x * x for x in t.vector)) if math.isfinite(t.scale) else math.inf
+        sites[(t.point, t.layer)] = sites.get((t.point, t.layer), 0.0) + norm
+    for (point, layer), total in sites.items():
+        if not total <= limit:  # also catches inf and NaN (x * x can overflow a float)
+            raise BadUncertaintyRequest(
+                f"steer: the terms at {point}.{layer} add a vector of norm {total:.3g} (|scale| x ||vector||), more "
+                f"than this server's limit {limit:.3g}: such states overflow the model's arithmetic (inf / NaN)")
+
+
+def reserved_keys(xargs: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """Keys of ``xargs`` reserved for the server (:data:`RESERVED_XARGS_PREFIX`), but ``allowed``."""
+    return sorted(str(k) for k in xargs if str(k).lower().startswith(RESERVED_XARGS_PREFIX) and k not in allowed)
+
+
 def check_user_xargs(xargs: dict | None) -> None:
-    """Refuse client ``vllm_xargs`` keys reserved for the server's capture tags."""
-    bad = sorted(k for k in (xargs or {}) if str(k).startswith(RESERVED_XARGS_PREFIX))
+    """Refuse client ``vllm_xargs`` keys reserved for the server (``uhead_steer`` is checked by
+    :func:`parse_steer`)."""
+    from ..capture.steering import STEER_KEY
+
+    bad = reserved_keys(xargs or {}, allowed=(STEER_KEY,))
     if bad:
-        raise BadUncertaintyRequest(f"vllm_xargs keys {bad} are reserved for the uncertainty server")
+        raise BadUncertaintyRequest(f"vllm_xargs keys {bad} are reserved for the uncertainty server (it writes "
+                                    "capture tags itself; steering goes in a 'steer' field)")

@@ -45,6 +45,11 @@ def build_uhead_model(
 
     path = resolve_model(model)
     head = load_step_head(head_dir, path, allow_other_weights) if (scorer == "head" or layers is None) else None
-    capture = list(layers) if layers is not None else list(head.recipe.layers)
-    gen = build_generator(path, capture, generator_kwargs=generator_kwargs, **(llm_kwargs or {}))
+    if layers is not None:
+        capture = list(layers)
+    elif head is not None and head.recipe is not None:
+        capture = list(head.recipe.layers)
+    else:
+        raise ValueError("the head records no feature recipe: pass layers=")
+    gen = build_generator(str(path), capture, generator_kwargs=generator_kwargs, **(llm_kwargs or {}))
     return UHeadVLLMModel(gen, make_scorer(scorer, head, seed), **model_kwargs)

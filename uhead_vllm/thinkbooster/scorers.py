@@ -119,8 +119,9 @@ class HeadScorer:
                 out[i] = self.features(st)
         for lo in range(0, len(batchable), chunk):
             part = [steps[i] for i in batchable[lo : lo + chunk]]
-            rows = torch.cat([st.hidden[st.span.start : st.span.end] for st in part])
-            topk = torch.cat([topk_logprob_rows(st.logprobs, k, st.span.start, st.span.end) for st in part]) if k else None
+            rows = torch.cat([_span_rows(st) for st in part])
+            topk = (torch.cat([topk_logprob_rows(_require_logprobs(st), k, st.span.start, st.span.end) for st in part])
+                    if k else None)
             feats = step_token_features(rows, 0, StepSpan(0, rows.shape[0]), self.recipe, topk,
                                         captured_layers=part[0].layers)
             for i, f in zip(batchable[lo : lo + chunk], feats.split([len(st.span) for st in part])):
@@ -147,10 +148,16 @@ def _require_logprobs(step: CandidateStep) -> Sequence[dict[int, Any]]:
 
 
 def _span_logprobs(step: CandidateStep) -> list[dict[int, Any]]:
-    _require_logprobs(step)
-    if len(step.logprobs) < step.span.end:
-        raise ValueError(f"logprobs cover {len(step.logprobs)} tokens, the step needs {step.span.end}")
-    return [step.logprobs[p] for p in range(step.span.start, step.span.end)]
+    logprobs = _require_logprobs(step)
+    if len(logprobs) < step.span.end:
+        raise ValueError(f"logprobs cover {len(logprobs)} tokens, the step needs {step.span.end}")
+    return [logprobs[p] for p in range(step.span.start, step.span.end)]
+
+
+def _span_rows(step: CandidateStep) -> torch.Tensor:
+    if step.hidden is None:
+        raise ValueError("this scorer needs the step's hidden states")
+    return step.hidden[step.span.start : step.span.end]
 
 
 class MeanTokenEntropyScorer:

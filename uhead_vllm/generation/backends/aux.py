@@ -1,34 +1,19 @@
 """The default backend: the uhead_vllm worker extension records aux hidden states at the
-model-runner level (``uhead_vllm.capture``); rows come back through ``collective_rpc``."""
+model-runner level (``uhead_vllm.capture``); rows come back through ``collective_rpc``
+(``uhead_begin`` / ``uhead_take`` / ``uhead_status``), by the engine's transport (transports.py)."""
 
 from __future__ import annotations
 
-import functools
 import json
-import threading
 import weakref
 from typing import Any, Callable, Iterable
 
-import torch
-
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
-from ...capture.protocol import (
-    CAPTURE_KEY,
-    EXTENSION_QUALNAME,
-    UNWRITTEN,
-    CapturedRows,
-    CaptureSettings,
-    RowDestination,
-    SharedDestination,
-    decode_rows,
-    destination_nbytes,
-)
-from ... import envs
-from ...errors import CaptureNotInstalledError
-from ..host_memory import host_buffer
-from ..shared_rows import SharedRowFiles
+from ...capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CapturedRows, CaptureSettings, decode_rows
+from ...errors import CaptureNotInstalledError, EngineDeadError
 from .base import Placement, raise_if_engine_dead
+from .transports import transport_for
 
 
 def capture_engine_kwargs(
@@ -54,29 +39,29 @@ def capture_engine_kwargs(
     }
 
 
-#: Every engine's shared row files (:class:`SharedRowFiles`), shared by the generators on it.
-_ROW_FILES: "weakref.WeakKeyDictionary[Any, SharedRowFiles]" = weakref.WeakKeyDictionary()
-_ROW_FILES_GUARD = threading.Lock()
-def shared_row_files(llm: Any) -> SharedRowFiles:
-    """The shared row files of ``llm``: one set per engine, so that the worker's mappings of the
-    files (kept under their keys) serve every generator on it."""
-    with _ROW_FILES_GUARD:
-        files = _ROW_FILES.get(llm)
-        if files is None:
-            files = _ROW_FILES[llm] = SharedRowFiles()
-        return files
-
-
 class AuxClient:
-    """Talks to the capture extension through ``collective_rpc``."""
+    """Talks to the capture extension through ``collective_rpc`` (the sync face: ``vllm.LLM``).
+
+    Its transport (:mod:`.transports`: in this process, or to an engine core in another) is
+    chosen once, when the client is made; :func:`~uhead_vllm.generation.backends.make_capture_client`
+    makes one per engine. The engine is held weakly, so a cached client never keeps it alive.
+    """
 
     def __init__(self, llm: Any):
-        self.llm = llm
-        self.settings = self._read_settings()
+        self._llm = weakref.ref(llm)
+        self.transport = transport_for(llm)
+        self.settings = settings_of([json.loads(s) for s in self._status_payloads()])
 
-    def _read_settings(self) -> CaptureSettings:
+    @property
+    def llm(self) -> Any:
+        llm = self._llm()
+        if llm is None:
+            raise EngineDeadError("this capture client's vLLM engine was garbage-collected; build a new one")
+        return llm
+
+    def _status_payloads(self) -> list[str]:
         try:
-            statuses = self.llm.collective_rpc("uhead_status")
+            return self.transport.call(self.llm, "uhead_status")
         except Exception as exc:  # vLLM raises AttributeError/RuntimeError variants
             raise_if_engine_dead(exc)
             raise CaptureNotInstalledError(
@@ -84,78 +69,102 @@ class AuxClient:
                 "uhead_vllm.build_llm(...) or pass **uhead_vllm.capture_engine_kwargs(layers) to "
                 f"vllm.LLM ({exc})"
             ) from exc
-        recording = [json.loads(s) for s in statuses if json.loads(s).get("recording")]
-        if len(recording) != 1:
-            raise CaptureNotInstalledError(
-                f"expected exactly one recording worker rank, found {len(recording)}: pass "
-                "capture_engine_kwargs(layers) (additional_config) when building vllm.LLM"
-            )
-        return CaptureSettings.from_dict(recording[0]["settings"])
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
                    groups: list[tuple[int, tuple[int, ...]]] = ()) -> Placement:
-        """Drop rows recorded before (with the hand-over) and give the worker a buffer of ``shape``
-        to write the next generation's rows into while it runs (``slots``: request tag -> first
-        row, capacity; ``groups``: see :class:`RowDestination`). In this process a plain tensor;
-        with the engine core in another process a shared-memory file both sides map, handed over
-        without waiting for the worker's reply (see :class:`Placement`). No destination where
-        neither can be had (the rows then come back with ``fetch``)."""
-        dtype = self.settings.dtype
-        if engine_internals.worker_in_process(self.llm):
-            destination = RowDestination(host_buffer(shape, self.settings.torch_dtype), slots, list(groups))
-            placed = any(self.llm.collective_rpc("uhead_place_into", args=(destination,)))
-            return Placement(destination if placed else None)
-        files = shared_row_files(self.llm)
-        taken = files.take(destination_nbytes(shape, dtype))
-        if taken is None:  # no room in shared memory: the rows come back with the fetch
-            self.fetch()
-            return Placement(None)
-        row_file, flat = taken
-        spec = SharedDestination(row_file.path, shape, dtype, slots, row_file.file_id, list(groups),
-                                 row_file.key, row_file.nbytes, tuple(files.keys()), envs.file_writes())
-        with torch.inference_mode(False):  # the row store relies on the buffer's version counter
-            destination = spec.on(flat, tables=False)
-        destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks
-        # Both sides hold their mappings once the worker answered: the memory goes with the last one.
-        unname = functools.partial(files.unname, row_file)
-        payload = spec.to_json()
-        sent = engine_internals.send_collective_rpc(self.llm, "uhead_place_into", (payload,))
-        ask = sent or functools.partial(self.llm.collective_rpc, "uhead_place_into", args=(payload,))
-        placement = Placement(destination, lambda: any(ask()), unname)
-        if sent is None or envs.settle_placement():
-            placement.settle()  # ask now, before the requests are sent (see SETTLE_PLACEMENT_ENV)
-        return placement
+        """Drop rows recorded before (the worker's ``uhead_begin``) and give the worker a buffer of
+        ``shape`` to write the next generation's rows into while it runs (``slots``: request tag ->
+        first row, capacity; ``groups``: see ``capture/destination.py``). In this process a plain
+        tensor; with the engine core in another process a shared-memory file both sides map,
+        handed over without waiting for the worker's reply (see :class:`Placement`). No
+        destination where neither can be had (the rows then come back with ``fetch``)."""
+        return self.transport.begin(self.llm, self.settings, slots, shape, list(groups))
 
     def fetch(self) -> CapturedRows:
-        """Rows recorded since the previous fetch (the worker forgets them). With the engine core
-        in this process the rows are handed over as objects; across processes as safetensors."""
-        return self._fetch_now(engine_internals.worker_in_process(self.llm))
+        """Rows recorded since the previous fetch (the worker forgets them). In this process they
+        are handed over as objects; across processes as safetensors."""
+        return self._one(self.transport.call(self.llm, "uhead_take", None, False, self.transport.inline))
 
     def fetch_later(self) -> Callable[[], CapturedRows]:
         """Ask for the rows now and return what waits for them: with the engine core in another
         process the caller does its work that needs no rows during the round trip (the worker
         first waits for its last rows to be placed)."""
-        inline = engine_internals.worker_in_process(self.llm)
-        sent = None if inline else engine_internals.send_collective_rpc(self.llm, "uhead_fetch", (False,))
-        if sent is None:
-            rows = self._fetch_now(inline)
-            return lambda: rows
-        return lambda: self._one(sent(), False)
+        sent = self.transport.send(self.llm, "uhead_take", None, False, self.transport.inline)
+        return lambda: self._one(sent())
 
-    def _fetch_now(self, inline: bool) -> CapturedRows:
-        return self._one(self.llm.collective_rpc("uhead_fetch", args=(inline,)), inline)
+    def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+        """Only the rows of ``tags`` (the rows of other requests stay in the worker); ``forget``
+        also stops recording them."""
+        return self._one(self.transport.call(self.llm, "uhead_take", [int(t) for t in tags], bool(forget),
+                                             self.transport.inline))
 
-    @staticmethod
-    def _one(payloads: list, inline: bool) -> CapturedRows:
-        """The recording rank's rows from every rank's answer (objects in process, else safetensors)."""
-        payloads = [p for p in payloads if p is not None]
-        if len(payloads) != 1:
-            raise RuntimeError(f"expected one capture payload, got {len(payloads)}")
-        if not inline:
-            return decode_rows(payloads[0])
-        if not isinstance(payloads[0], CapturedRows):
-            raise TypeError(f"in-process capture fetch returned {type(payloads[0]).__name__}")
-        return payloads[0]
+    def status(self) -> dict:
+        """The recording rank's status (``uhead_status``): settings, bytes held, refused tags."""
+        return recording_status([json.loads(s) for s in self._status_payloads()])
+
+    def _one(self, payloads: list) -> CapturedRows:
+        return one_payload(payloads, self.transport.inline)
+
+
+class AsyncAuxClient:
+    """The async face, for vLLM's ``AsyncLLM`` (the API server): its engine core always runs in
+    another process, so rows travel as safetensors bytes. Rows of a server's concurrent requests
+    are taken by tag."""
+
+    inline = False
+
+    def __init__(self, engine: Any):
+        self._engine = weakref.ref(engine)
+
+    async def _call(self, method: str, *args: Any) -> list:
+        engine = self._engine()
+        if engine is None:
+            raise EngineDeadError("this capture client's vLLM engine was garbage-collected")
+        return await engine.collective_rpc(method, args=args)
+
+    async def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+        """Only the rows of ``tags`` (the rows of other requests stay in the worker); ``forget``
+        also stops recording them (a client that went away)."""
+        return one_payload(await self._call("uhead_take", [int(t) for t in tags], bool(forget), False), False)
+
+    async def status(self) -> dict:
+        """The recording rank's status (``uhead_status``; ``{"recording": False}`` where no rank
+        records): settings, ``bytes_held``, refused tags (``tags_malformed``, ...)."""
+        return recording_status([json.loads(s) for s in await self._call("uhead_status")])
+
+    async def settings(self) -> CaptureSettings:
+        """What the worker captures."""
+        return settings_of([await self.status()])
+
+
+def recording_status(statuses: list[dict]) -> dict:
+    """The recording rank's status among every rank's (``{"recording": False}`` if none records)."""
+    recording = [s for s in statuses if s.get("recording")]
+    return recording[0] if recording else {"recording": False}
+
+
+def settings_of(statuses: list[dict]) -> CaptureSettings:
+    """The capture settings of the one recording rank among ``statuses``."""
+    recording = [s for s in statuses if s.get("recording")]
+    if len(recording) != 1:
+        raise CaptureNotInstalledError(
+            f"expected exactly one recording worker rank, found {len(recording)}: pass "
+            "capture_engine_kwargs(layers) (additional_config) when building vllm.LLM"
+        )
+    return CaptureSettings.from_dict(recording[0]["settings"])
+
+
+def one_payload(payloads: list, inline: bool) -> CapturedRows:
+    """The recording rank's rows from every rank's answer (objects in process, else safetensors)."""
+    payloads = [p for p in payloads if p is not None]
+    if len(payloads) != 1:
+        raise RuntimeError(f"expected one capture payload, got {len(payloads)}: is the worker extension "
+                           "installed (--worker-extension-cls)?")
+    if not inline:
+        return decode_rows(payloads[0])
+    if not isinstance(payloads[0], CapturedRows):
+        raise TypeError(f"in-process capture take returned {type(payloads[0]).__name__}")
+    return payloads[0]
 
 
 class AuxBackend:

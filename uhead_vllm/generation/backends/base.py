@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 from ...adapters import engine as engine_internals
-from ...capture.protocol import CapturedRows, CaptureSettings, RowDestination
+from ...capture.destination import RowDestination
+from ...capture.protocol import CapturedRows, CaptureSettings
 from ...errors import EngineDeadError
 
 
@@ -68,6 +69,18 @@ class CaptureClient(Protocol):
 
     def fetch_later(self) -> Callable[[], CapturedRows]:
         """Ask for the rows since the last fetch now; the returned call waits for them."""
+
+
+class AsyncCaptureClient(Protocol):
+    """Engine-side handle on an ``AsyncLLM``'s capture (the API server): concurrent requests each
+    take the rows of their own tags."""
+
+    async def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+        """The rows of ``tags`` recorded so far (other requests' rows stay in the worker); ``forget``
+        also stops recording them (a client that went away)."""
+
+    async def status(self) -> dict:
+        """The recording rank's status: settings, ``bytes_held``, counts of refused tags."""
 
 
 class CaptureBackend(Protocol):
