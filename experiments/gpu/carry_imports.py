@@ -8,6 +8,8 @@ gone cold. This runs the imports here, in a child Python whose path holds only
   this environment where it has them (torch and triton always: they stand in for the carried ones),
 - the vLLM wheel (``--vllm-wheel``, unpacked) and the project checkout,
 and records every top-level module that was asked for and not found, with the module that asked.
+Then it builds the app ``vllm serve`` serves (every router a generate model gets). ``vllm.platforms.cuda``
+fails here for want of libcuda; everything else must import.
 Imports inside functions run only when called: the report also lists the lazy imports of the
 modules that were loaded whose top-level module would be missing there (read from their source).
     python experiments/gpu/carry_imports.py --image image.txt --pins experiments/gpu/vllm_0.32_wheels.txt \\
@@ -44,10 +46,11 @@ DEFAULT_MODULES = [
     "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.launchers.cli_args",
     "vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server",
     "vllm.entrypoints.openai.chat_completion.serving", "vllm.entrypoints.openai.completion.serving",
-    "vllm.entrypoints.openai.cli_args", "uvicorn", "uvloop",
+    "uvicorn", "uvloop", "experiments.gpu.models", "experiments.gpu.bench_gpu", "experiments.gpu.preflight_313",
     "uhead_vllm", "uhead_vllm.capture.extension", "uhead_vllm.capture.extract_connector",
     "uhead_vllm.generation", "uhead_vllm.serving.plugin", "uhead_vllm.serving.launch",
-    "uhead_vllm.serving.install", "uhead_vllm.cli", "openai", "transformers",
+    "uhead_vllm.serving.install", "uhead_vllm.cli", "uhead_vllm._testing", "uhead_vllm.runtime",
+    "uhead_vllm.models", "openai", "transformers",
 ]
 
 ALIASES = {  # image distributions whose import name is not their normalised name
