@@ -4,7 +4,7 @@ The GPU machine has no internet: a module missing there costs a whole re-carry o
 gone cold. This runs the imports here, in a child Python whose path holds only
 - the standard library,
 - the carried wheels (``--pins``, installed for this Python with ``pip install --no-deps --target``),
-- the image's packages (``--image``: names one a line, ``../.library/device/KINDS.md``), taken from
+- the image's packages (``--image``: names one a line, or the device notes' KINDS.md), taken from
   this environment where it has them (torch and triton always: they stand in for the carried ones),
 - the vLLM wheel (``--vllm-wheel``, unpacked) and the project checkout,
 and records every top-level module that was asked for and not found, with the module that asked.
@@ -80,6 +80,14 @@ def dist_tops(dist: md.Distribution) -> set[str]:
     return tops
 
 
+def image_packages(path: pathlib.Path) -> set[str]:
+    """The image's package names: one a line, or the device notes' "Packages: a, b, ..." line."""
+    text = path.read_text()
+    if "Packages: " in text:
+        text = text.split("Packages: ", 1)[1].split("\n", 1)[0].rstrip(".").replace(",", " ")
+    return {norm(n) for n in text.split() if n.strip()}
+
+
 def build(args: argparse.Namespace) -> dict:
     work = pathlib.Path(args.work).resolve()
     carried, image, vdir = work / "carried", work / "image", work / "vllm"
@@ -98,7 +106,7 @@ def build(args: argparse.Namespace) -> dict:
     if not vdir.exists():
         with zipfile.ZipFile(args.vllm_wheel) as z:
             z.extractall(vdir)
-    wanted = {norm(n) for n in pathlib.Path(args.image).read_text().split() if n.strip()} | {"torch", "triton"}
+    wanted = image_packages(pathlib.Path(args.image)) | {"torch", "triton"}
     image.mkdir(parents=True, exist_ok=True)
     linked, absent = [], []
     seen = {norm(d.metadata["Name"]): d for d in md.distributions()}
