@@ -76,7 +76,7 @@ class Server:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine core process
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([*command, "--port", str(self.port), *args], stdout=self._log,
+        self.proc = subprocess.Popen([*command, *args, "--port", str(self.port)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"

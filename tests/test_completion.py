@@ -130,8 +130,9 @@ class _Worker:
         self.closed: list[str] = []
 
     async def collective_rpc(self, method: str, args: tuple = ()):
-        if method == "uhead_fetch_tags":
-            tags, forget = args
+        if method == "uhead_take":
+            tags, forget, inline = args
+            assert not inline  # the server's engine core is another process: rows travel as bytes
             return [encode_rows(self.recorder.take_tags(list(tags), forget=forget))]
         return [json.dumps({"recording": True, "bytes_held": self.recorder.bytes_held})]
 

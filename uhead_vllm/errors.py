@@ -95,6 +95,10 @@ class LogprobsMissingError(InputError, ValueError):
     """vLLM returned no logprobs: the sampling params were built without ``logprobs=k``."""
 
 
+class ReservedKeysError(InputError, ValueError):
+    """A request reached the engine with reserved ``extra_args`` keys the server did not write (HTTP 400)."""
+
+
 class BadUncertaintyRequest(InputError, ValueError):
     """The client's request cannot be served as asked (answered with HTTP 400)."""
 

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 5e-3  # GPU fp32 attention differs from HF's by ~1.5e-3 (test_capture_gpu.py)
-LAYERS = [0, 15, 30]
-HEAD_LAYERS = [15, 30]
+# Not the last index (30): transformers 5.17 on the GPU machine returns it after the final norm
+# (docs/gpu.md), so Hugging Face's output_hidden_states cannot be the reference there.
+LAYERS = [0, 15, 29]
+HEAD_LAYERS = [15, 29]
 PREFIX = ("You are a careful calculator. Think line by line, write every step on its own line, and "
           "check each step twice before you give the final answer to the question below. ")
 
@@ -97,7 +99,12 @@ def test_the_server_serves_exact_rows_and_scores_on_the_gpu(tmp_path_factory: py
                 unc = (c.model_extra or {}).get("uncertainty")
                 if unc and c.finish_reason is not None:
                     final = unc
-        assert final is not None and final["steps"] == full["steps"]
+        # Two requests on a GPU run in other batches: the same tokens, rows equal to ~1e-6, not bit for bit.
+        assert final is not None and len(final["steps"]) == len(full["steps"])
+        for got, want in zip(final["steps"], full["steps"]):
+            assert {k: got[k] for k in ("text", "token_start", "token_end")} == \
+                {k: want[k] for k in ("text", "token_start", "token_end")}
+            assert got["p_wrong"] == pytest.approx(want["p_wrong"], abs=1e-4)
 
         status = server.get_json("/uhead/status")
         log = server.log()

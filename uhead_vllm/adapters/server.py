@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from ..capture.protocol import RequestTag
+from ..errors import ReservedKeysError
 from .versions import SUPPORTED_VLLM, parse_version
 
 #: (major, minor) -> (module of ``make_arg_parser`` / ``validate_parsed_serve_args``, module of ``run_server``).
@@ -54,10 +55,6 @@ def minted(params: Any) -> Any:
     params = copy(params)
     params.extra_args = {**(params.extra_args or {}), MINTED_KEY: Minted}
     return params
-
-
-class ReservedKeysError(ValueError):
-    """A request reached the engine with reserved ``extra_args`` keys the server did not write."""
 
 
 def install_engine_gate(engine: Any, reserved: Callable[[dict], list[str]]) -> None:

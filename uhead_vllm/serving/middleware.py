@@ -120,11 +120,14 @@ async def _page(service: Any) -> Any:
 
 async def _status(service: Any) -> Any:
     from starlette.responses import JSONResponse
-    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from ..adapters.engine import is_engine_dead
 
     try:
         return JSONResponse(await service.status())
-    except EngineDeadError:  # the RPC ended with the engine core (it never hangs on a dead one)
+    except Exception as exc:  # the RPC ended with the engine core (it never hangs on a dead one)
+        if not is_engine_dead(exc):
+            raise
         return JSONResponse({"error": {"message": "the engine is dead", "type": "EngineDeadError", "param": None,
                                        "code": 503}}, status_code=503)
 

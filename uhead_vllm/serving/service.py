@@ -4,7 +4,7 @@ exact, score them, encode the rows a client asked for.
 One instance per server. It holds the row completion (the generator's: row store, recompute; see
 generation/completion.py) and the registry of running uncertainty requests; all of it runs on the
 server's event loop, so no locks are needed. Rows cross the process boundary only as safetensors
-bytes (``uhead_fetch_tags``), never pickled; every exit path of a recompute (a client leaving
+bytes through the engine's one capture client (its async face, ``make_capture_client``), never pickled; every exit path of a recompute (a client leaving
 included) takes its rows out of the worker.
 """
 
@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from ..capture.points import site_name
-from ..capture.protocol import CapturedRows, CaptureSettings, decode_rows
+from ..capture.protocol import CapturedRows, CaptureSettings
+from ..generation.backends import make_capture_client
 from ..generation.completion import Recompute, RowCompletion, SequenceRows
 from .record import RequestRecord, new_tag
 from .scoring import Scorer
@@ -35,6 +36,7 @@ class UncertaintyService:
     def __init__(self, engine: Any, scorer: Scorer | None, settings: CaptureSettings, hidden_size: int,
                  block_size: int, max_rows_bytes: int, store_bytes: int, num_layers: int = 0):
         self.engine = engine  # the real engine client (not the tap)
+        self.capture = make_capture_client(engine)  # its async face: rows by tag, the worker's status
         self.scorer = scorer
         self.settings = settings  # what the worker captures: layers, then points (serve --points), dtype, steering
         self.hidden_size = hidden_size
@@ -76,12 +78,7 @@ class UncertaintyService:
             record.add_rows(rows)
 
     async def _fetch_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
-        payloads = [p for p in await self.engine.collective_rpc("uhead_fetch_tags", args=(tags, forget))
-                    if p is not None]
-        if len(payloads) != 1:
-            raise RuntimeError(f"expected one capture payload, got {len(payloads)}: is the worker "
-                               "extension installed (--worker-extension-cls)?")
-        return decode_rows(payloads[0])
+        return await self.capture.take_tags(tags, forget)
 
     def _forget_soon(self, tags: list[int]) -> None:
         """Take ``tags``' rows out of the worker and stop recording them, as a task of its own (the
@@ -209,9 +206,9 @@ class UncertaintyService:
 
     async def status(self) -> dict[str, Any]:
         """Memory and counters: what the server and the worker hold now (for tests and ops)."""
-        worker = [json.loads(s) for s in await self.engine.collective_rpc("uhead_status")]
-        held = sum(w.get("bytes_held", 0) for w in worker if w.get("recording"))
-        return {"running_requests": len(self.registry), "worker_bytes_held": held,
+        worker = await self.capture.status()
+        return {"running_requests": len(self.registry), "worker_bytes_held": worker.get("bytes_held", 0),
+                "worker_tags_refused": {k: v for k, v in worker.items() if k.startswith("tags_")},
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
                 "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
                 "captured_layers": list(self.settings.layers),
