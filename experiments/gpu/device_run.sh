@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, after vLLM's wheel parts are installed into $W/site (../shared/gpu/README.md):
+# On the GPU machine, after vLLM's wheel parts are installed into $W/site (../shared/gpu/README.md;
+# device_run_313.sh runs the same modes against torch 2.13 + vLLM 0.32 in $W/site313):
 # the GPU tests or the throughput benchmark, everything a reader needs written under $OUT.
 #   bash experiments/gpu/device_run.sh pytest                    # tests/gpu, parity files as one tgz
 #   bash experiments/gpu/device_run.sh bench SHAPE [bench args]  # SHAPE: smollm2 | llama8b
@@ -18,7 +19,10 @@ mkdir -p "$OUT"
 # uhead_vllm itself is installed (metadata only matters: vLLM finds its plugin entry points) behind $PWD
 rm -rf "$W/uhead" && python3 -m pip install -q --no-deps --no-index --no-build-isolation --target "$W/uhead" . \
   >/dev/null 2>&1 || echo "uhead_vllm not installed: the plugin test will skip"
-export PYTHONPATH=$W/site:$PWD:$W/uhead VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
+# SITE: where the carried vLLM is installed ($W/site: vLLM 0.26 on the image's torch; device_run_313.sh
+# sets $W/site313: torch 2.13 + vLLM 0.32)
+SITE=${SITE:-$W/site}
+export PYTHONPATH=$SITE:$PWD:$W/uhead VLLM_ENABLE_V1_MULTIPROCESSING=${ENGINE_PROCESS:-0} VLLM_USE_FLASHINFER_SAMPLER=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
 what=$1; shift
 probe() {  # the host's cores before a measurement (experiments/gpu/host_probe.py): a busy host shows here in ~5 s

