@@ -97,8 +97,8 @@ def _model_path(model: str | None) -> Path:
 def collect(out: str | Path, tasks: Sequence[str], *, model: str | None = None,
             layers: Sequence[int] = DEFAULT_LAYERS, style: str = "steps_plain", max_tokens: int = 64,
             temperature: float = 0.0, logprobs: int = DEFAULT_TOPK, split_mode: Literal["line", "sentence"] = "line",
-            seed: int = 0, samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64, overwrite: bool = False,
-            progress: bool = True, generator: Any = None, ray: Any = None,
+            seed: int = 0, samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64,
+            overwrite: bool = False, progress: bool = True, generator: Any = None, ray: Any = None,
             engine: dict[str, Any] | None = None) -> Path:
     """Generate, grade and store answers for ``tasks`` (``task:n:seed`` each) into dataset ``out``.
 
