@@ -193,7 +193,10 @@ def shut_down_in_flight(server: Server, blow: str, wait_s: float = 30.0) -> InFl
     for t in [*threads, waiter]:
         t.join(30)
     deadline = time.monotonic() + 30  # orphans (a worker, the resource tracker) may outlive the server briefly
-    alive = lambda: [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def alive() -> list[int]:
+        return [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     end.survivors = alive()

@@ -38,7 +38,10 @@ def forward(requests: list[Recompute]) -> CapturedRows:
         tags += [RequestTag.from_extra_args(r.params.extra_args).tag] * len(ids)
         positions.append(torch.arange(len(ids)))
         token_ids.append(ids)
-    z = lambda t: torch.tensor(t, dtype=torch.int64)
+
+    def z(t: list[int]) -> torch.Tensor:
+        return torch.tensor(t, dtype=torch.int64)
+
     n = sum(len(p) for p in parts)
     return CapturedRows((0, 2), parts, z(tags), torch.zeros(n, dtype=torch.int64), torch.cat(positions),
                         torch.cat(token_ids), z([0, n]))

@@ -52,7 +52,7 @@ def missing_internals(runner: Any) -> list[str]:
     return [n for n in need if not hasattr(runner, n)] + missing_class_internals(type(runner))
 
 
-def missing_class_internals(cls: type) -> list[str]:
+def missing_class_internals(cls: Any) -> list[str]:
     """What this adapter reads of the runner class, by name and signature (names of what is
     missing or moved; empty when the class fits)."""
     missing = [n for n in ("load_model", "execute_model", "_model_forward", "_setup_eagle3_aux_hidden_state_outputs")
@@ -61,9 +61,9 @@ def missing_class_internals(cls: type) -> list[str]:
         params = inspect.signature(cls._model_forward).parameters
         missing += [f"_model_forward({p}=...)" for p in ("input_ids", "positions") if p not in params]
     if "execute_model" not in missing:
-        params = tuple(inspect.signature(cls.execute_model).parameters)[1:2]
-        if params != ("scheduler_output",):
-            missing.append(f"execute_model(scheduler_output, ...) (found {params})")
+        first = tuple(inspect.signature(cls.execute_model).parameters)[1:2]
+        if first != ("scheduler_output",):
+            missing.append(f"execute_model(scheduler_output, ...) (found {first})")
     if "load_model" not in missing:
         try:
             source = inspect.getsource(cls.load_model)

@@ -67,7 +67,7 @@ STATE_FIELDS = ("input_batch", "aux_hidden_states")
 BATCH_FIELDS = ("req_ids", "num_reqs", "query_start_loc_np", "positions", "input_ids")
 
 
-def missing_class_internals(cls: type) -> list[str]:
+def missing_class_internals(cls: Any) -> list[str]:
     """What this adapter reads of the runner class, its step state and its input batch, by name and
     signature (names of what is missing or moved; empty when the class fits)."""
     missing = [n for n in ("load_model", "capture_model", "execute_model", "sample_tokens")

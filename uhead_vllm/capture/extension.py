@@ -108,6 +108,7 @@ def _install(runner: Any) -> None:
     elif use_aux:
         adapter.attach(runner, recorder)
     else:
+        assert spec is not None  # spec_for(arch) above: read with layer hooks
         _attach_hooks(runner, adapter, model, layers, spec.stream, recorder, aux_layers)
 
 
@@ -276,11 +277,11 @@ class UheadCaptureExtension:
             rows = rec.take_tags([int(t) for t in tags], forget=bool(forget))
         return rows if inline else encode_rows(rows)
 
-    def _uhead_row_files(self) -> tuple[dict, RegisteredFiles]:
+    def _uhead_row_files(self) -> tuple[dict[str, torch.Tensor], RegisteredFiles]:
         """This worker's mappings of the engine side's shared row files, by key, and the ones the
         device writes (both kept across calls)."""
         if not hasattr(self, "_uhead_mapped_row_files"):
-            self._uhead_mapped_row_files = ({}, RegisteredFiles())
+            self._uhead_mapped_row_files: tuple[dict[str, torch.Tensor], RegisteredFiles] = ({}, RegisteredFiles())
         return self._uhead_mapped_row_files
 
     def uhead_status(self) -> str:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load as st_load, save as st_save
 
 from .points import Site, parse_sites
 
@@ -79,8 +79,8 @@ class RequestTag:
         if not extra_args or CAPTURE_KEY not in extra_args:
             return None
         d = extra_args[CAPTURE_KEY]
-        values = (d.get("tag"), d.get("sample", 0)) if isinstance(d, dict) else (None,)
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in values):
+        values: tuple[Any, ...] = (d.get("tag"), d.get("sample", 0)) if isinstance(d, dict) else (None,)
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= cast(int, v) < 1 << 63 for v in values):
             raise ValueError(f"malformed capture tag under {CAPTURE_KEY!r}: {str(d)[:100]!r}")
         return cls(tag=int(values[0]), sample=int(values[1]))
 
@@ -161,9 +161,9 @@ class SharedDestination:
         if d.get("dtype") not in DTYPES or len(d.get("shape", ())) != 3:
             raise ValueError(f"not a shared row destination: {text[:200]!r}")
         writes = d.get("device_writes")
-        return cls(str(d["path"]), tuple(int(x) for x in d["shape"]), d["dtype"],
+        return cls(str(d["path"]), cast(tuple[int, int, int], tuple(int(x) for x in d["shape"])), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
-                   tuple(int(x) for x in d.get("file_id", (0, 0))),
+                   cast(tuple[int, int], tuple(int(x) for x in d.get("file_id", (0, 0)))),
                    [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())],
                    str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())),
                    None if writes is None else bool(writes))

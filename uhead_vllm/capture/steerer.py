@@ -86,8 +86,8 @@ class Steerer:
             return {}
         pos = positions.cpu().numpy()
         out: dict[Site, torch.Tensor] = {}
-        for (site, _), (first, index, vectors) in planes.items():
-            on = torch.from_numpy(pos >= first).unsqueeze(1)
+        for (site, _), (firsts, index, vectors) in planes.items():
+            on = torch.from_numpy(pos >= firsts).unsqueeze(1)
             delta = torch.stack(vectors)[torch.from_numpy(index)] * on
             out[site] = delta if site not in out else out[site] + delta
         return {site: d.to(device=device, dtype=dtype) for site, d in out.items()}

@@ -42,7 +42,7 @@ class TagBook:
             tag = self._tags.pop(rid, _UNKNOWN)
             if tag is None:
                 self._untagged -= 1
-            elif tag is not _UNKNOWN and self._owner.get((tag.tag, tag.sample)) == rid:
+            elif isinstance(tag, RequestTag) and self._owner.get((tag.tag, tag.sample)) == rid:  # not _UNKNOWN
                 del self._owner[(tag.tag, tag.sample)]
 
     def register(self, req_id: str, extra_args: dict | None) -> str | None:

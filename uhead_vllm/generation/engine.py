@@ -105,7 +105,7 @@ def refuse_multi_stream(model: str, dtype: str = "bfloat16", backend: str = "aux
             f"hc_mult), and uhead_vllm cannot capture them here: {why} (docs/capture_points.md#multi-stream-models)")
 
 
-def build_generator(model: str, layers: Iterable[int], *, generator_kwargs: Mapping[str, Any] | None = None,
+def build_generator(model: str | os.PathLike[str], layers: Iterable[int], *, generator_kwargs: Mapping[str, Any] | None = None,
                     **build_kwargs: Any):
     """:func:`build_llm` (``model``, ``layers``, ``**build_kwargs``) wrapped in a
     :class:`~uhead_vllm.generation.VllmHiddenStatesGenerator` built with ``generator_kwargs``."""

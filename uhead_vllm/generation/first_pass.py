@@ -23,7 +23,7 @@ from ..capture.protocol import CapturedRows
 from ..errors import CaptureError
 from .backends import CaptureClient, Placement
 from .host_memory import host_buffer
-from .plan import CallPlan
+from .plan import CallPlan, PlannedRequest
 from .prefix_groups import groups_within_slots, prefix_groups
 from .sequences import Sequence
 
@@ -40,7 +40,9 @@ def request_destination(client: CaptureClient, plan: CallPlan, *, max_model_len:
     destination when that room would exceed half the machine's memory even as untouched address
     space, or the backend cannot. Either way the rows the worker recorded before (requests made
     outside the generator) are dropped."""
-    slots, first, tags_of = {}, 0, {}
+    slots: dict[int, tuple[int, int]] = {}
+    tags_of: dict[int, list[PlannedRequest]] = {}
+    first = 0
     for r in plan.requests:
         new = r.params.max_tokens if r.params.max_tokens is not None else max_model_len
         capacity = min(len(plan.sent_ids(r.prompt_index)) + new, max_model_len)

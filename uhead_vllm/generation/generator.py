@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
 from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows
 from ..errors import CaptureError
-from .backends import open_capture_client, raise_if_engine_dead
+from .backends import CaptureClient, open_capture_client, raise_if_engine_dead
 from .completion import Recompute, RowCompletion
 from .first_pass import check_capture_complete, place_first_pass, request_destination
 from .plan import PromptLike, Rendered, next_tag, plan_call, pretokenized, render_prompt
@@ -72,7 +72,7 @@ class VllmHiddenStatesGenerator:
     ):
         self.whitebox = model if hasattr(model, "model") and hasattr(model, "sampling_params") else None
         self.llm = self.whitebox.model if self.whitebox is not None else model
-        self.client = open_capture_client(self.llm)  # one per engine, made once
+        self.client = cast(CaptureClient, open_capture_client(self.llm))  # a vllm.LLM's client: the sync face
         if hasattr(self.client, "status"):  # a cached client: its one RPC names a dead engine here
             self.client.status()
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)

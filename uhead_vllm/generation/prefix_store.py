@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, salt: bytes = b"",
+def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, num_blocks: int, salt: bytes = b"",
                known: Sequence[bytes] = ()) -> list[bytes]:
     """Chained digests of the first ``num_blocks`` full blocks of ``token_ids``; ``salt`` (like
     vLLM's ``cache_salt``) starts the chain, so steered rows never serve other requests.
@@ -87,7 +87,7 @@ class PrefixRowStore:
         size = self.block_size
         return [src.rows[start : start + size] for src, start in self._blocks.values()]
 
-    def keys(self, token_ids: Sequence[int], num_rows: int, salt: bytes = b"", known: Sequence[bytes] = ()
+    def keys(self, token_ids: Sequence[int] | np.ndarray, num_rows: int, salt: bytes = b"", known: Sequence[bytes] = ()
              ) -> list[bytes]:
         """The keys of the full blocks of a sequence with ``num_rows`` rows (compute once, pass
         to :meth:`put` and :meth:`fill` of the same sequence); ``known``: see :func:`block_keys`."""

@@ -81,6 +81,7 @@ def occupied(seqs: list[Sequence]) -> dict[int, int]:
     the longest outcomes; its pages past the rows written are never touched)."""
     used: dict[int, int] = {}
     for q in seqs:
+        assert q.rows is not None  # every sequence has its rows after the first pass
         address = buffer_address(q.rows)
         used[address] = used.get(address, 0) + q.rows.numel() * q.rows.element_size()
     return used

@@ -126,6 +126,7 @@ class StepCache:
         shares with q a common prefix that every key prefixing q also prefixes; q shrinks to
         that common prefix until the key found is a prefix (usually at once)."""
         keys, q = self._sorted, p
+        assert keys is not None  # the only caller sorts the keys first
         while True:
             j = bisect.bisect_right(keys, q) - 1
             if j < 0:

@@ -61,6 +61,7 @@ def answer(questions: Sequence[str], head_dir: str | Path | None = None, *, mode
         scored = answer_in_units(job, ray=ray, generator=generator)
     else:
         head = load_head_for_model(head_dir, path, allow_other_weights=allow_other_weights)
+        assert head.recipe is not None  # a head without a feature recipe cannot be applied (would fail below)
         gen = generator if generator is not None else build_job_generator(path, head.recipe.layers, **(engine or {}))
         scored = answer_questions(list(questions), gen, head, max_tokens)
     file = file or sys.stdout

@@ -14,7 +14,7 @@ import math
 import operator
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Callable
+from typing import Callable, cast
 
 __all__ = ["check_step_line", "extract_answer", "normalize_number", "safe_eval"]
 
@@ -90,7 +90,7 @@ def _ev(node: ast.AST) -> float:
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
         return _UNOPS[type(node.op)](_ev(node.operand))
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return cast(float, node.value)  # an int or a float, checked just above
     raise ValueError(f"disallowed node {type(node).__name__}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from .prompts import PROMPT_STYLES, HasQuestionText, build_chat
 
@@ -20,7 +20,7 @@ class GenerationRecipe:
     max_tokens: int = 64
     temperature: float = 0.0
     logprobs: int = 10
-    split_mode: str = "line"
+    split_mode: Literal["line", "sentence"] = "line"
     seed: int = 0
     samples: int = 1  # answers per question (vLLM n); > 1 needs temperature > 0
 

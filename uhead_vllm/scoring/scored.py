@@ -48,6 +48,7 @@ class ScoredAnswer:
 def score_generation(head: UncertaintyHead, output: Any, sample: Any, tokenizer: Any, recipe: GenerationRecipe,
                      question: str) -> ScoredAnswer:
     """Score one vLLM output (with logprobs) and its captured rows."""
+    assert head.recipe is not None  # a head without a feature recipe cannot be applied (would fail below)
     ids = list(output.token_ids)
     token_lp, topk = logprob_arrays(output, recipe.logprobs)
     arrays = AnswerArrays(sample.generated_rows(), torch.tensor(ids, dtype=torch.int64), token_lp, topk)
@@ -86,10 +87,13 @@ def answer_questions(questions: Sequence[str], generator: Any, head: Uncertainty
                      max_tokens: int | None = None) -> list[ScoredAnswer]:
     """Generate answers with the head's own prompt recipe and score them."""
     check_questions(questions)
-    settings = dict(head.require_usage(generation=True).generation)
+    generation = head.require_usage(generation=True).generation
+    assert generation is not None  # require_usage(generation=True) refuses a head without one
+    settings = dict(generation)
     if max_tokens is not None:
         settings["max_tokens"] = int(max_tokens)
     recipe = GenerationRecipe(**settings)
+    assert head.recipe is not None  # a head without a feature recipe cannot be applied (would fail below)
     missing = [k for k in head.recipe.layers if k not in generator.layers]
     if missing:
         raise ValueError(f"the engine captures layers {list(generator.layers)}; the head needs {missing}")

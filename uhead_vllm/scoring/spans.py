@@ -4,7 +4,7 @@ P(wrong) from its steps or its whole span. Shared by the main job, the server an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -53,7 +53,15 @@ def span_features(arrays: AnswerArrays, span: StepSpan, recipe: FeatureRecipe,
     return step_token_features(arrays.hidden, 0, clipped, recipe, topk, captured_layers=layers)
 
 
-def answer_scores(head: UncertaintyHead, answers: SpanBatch, steps: SpanBatch, rule: str,
+class Spans(Protocol):
+    """Aligned span features and the id of the answer each comes from (a :class:`SpanBatch`, the
+    study's ``Examples``)."""
+
+    features: list[torch.Tensor]
+    answer_ids: list[str]
+
+
+def answer_scores(head: UncertaintyHead, answers: Spans, steps: Spans, rule: str,
                   step_probs: np.ndarray | None = None) -> np.ndarray:
     """P(wrong) of each answer by ``rule`` (:attr:`HeadUsage.answer_scoring`): ``span``, the head on
     the whole answer; ``max_step``, the max over the answer's steps (``step_probs``: the head's

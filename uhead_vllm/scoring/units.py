@@ -47,6 +47,7 @@ class AnswerWorker:
         self.job = AnswerJob(**job)
         self.head = load_head_for_model(self.job.head_dir, Path(self.job.model),
                                         allow_other_weights=self.job.allow_other_weights)
+        assert self.head.recipe is not None  # a head without a feature recipe cannot be applied (would fail below)
         self.generator = generator if generator is not None else build_job_generator(
             self.job.model, self.head.recipe.layers, **self.job.engine)
 

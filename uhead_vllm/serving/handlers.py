@@ -186,6 +186,7 @@ def _step_may_end(choice: dict, record: RequestRecord, service: UncertaintyServi
     if seq is None:
         return False
     delta = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+    assert service.scorer is not None  # called for a request that asks for steps: the server has a head
     if delta and service.scorer.step_boundary_possible(delta):
         seq.boundary_pending = True
     return seq.boundary_pending

@@ -128,7 +128,9 @@ def _default_layers(head: str | None, n_layers: int) -> list[int]:
     from ..heads import HeadConfig, default_head_dir
 
     path = default_head_dir() if head is None else os.path.expanduser(head)
-    return list(HeadConfig.load(os.path.join(path, "config.json")).layers)
+    layers = HeadConfig.load(os.path.join(path, "config.json")).layers
+    assert layers is not None  # a head's config names the layers it reads (list(None) would fail the same way)
+    return list(layers)
 
 
 def run(args: argparse.Namespace, passthrough: Sequence[str]) -> int:

@@ -10,12 +10,12 @@ never depends on which other steps share its batch: streamed step scores equal t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 import torch
 
-from ..features import StepSpan, pool, split_steps, topk_logprob_rows
+from ..features import FeatureRecipe, StepSpan, pool, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
 from ..scoring.recipe import GenerationRecipe
 from ..scoring.scored import score_generation
@@ -62,19 +62,27 @@ class Scorer:
 
     def __init__(self, head: UncertaintyHead, name: str, tokenizer: Any, layers: Sequence[int]):
         self.head = head
-        self._stepwise = _OneStepAtATime(head)
+        self._stepwise = cast(UncertaintyHead, _OneStepAtATime(head))  # the head's own face, via __getattr__
         self.name = name
         self.tokenizer = tokenizer
         self.layers = tuple(layers)  # the captured layers, in the order rows carry them
-        self.recipe = GenerationRecipe(**head.require_usage(generation=True).generation)
-        missing = [k for k in head.recipe.layers if k not in self.layers]
+        generation = head.require_usage(generation=True).generation
+        assert generation is not None  # require_usage(generation=True) refuses a head without one
+        self.recipe = GenerationRecipe(**generation)
+        missing = [k for k in self._feature_recipe.layers if k not in self.layers]
         if missing:
             raise ValueError(f"the head needs layers {missing}, which the engine does not capture "
                              f"(captured: {list(self.layers)}); add them with --layers")
 
     @property
+    def _feature_recipe(self) -> FeatureRecipe:
+        """The head's feature recipe (a head without one cannot score)."""
+        assert self.head.recipe is not None
+        return self.head.recipe
+
+    @property
     def logprobs_needed(self) -> int:
-        return max(self.recipe.logprobs, self.head.recipe.logprob_topk)
+        return max(self.recipe.logprobs, self._feature_recipe.logprob_topk)
 
     def score(self, token_ids: list[int], logprobs: list[Any], text: str, finish_reason: str | None,
               generated_rows: torch.Tensor) -> dict[str, Any]:
@@ -97,11 +105,11 @@ class Scorer:
     def _token_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
                         spans: Sequence[StepSpan]) -> list[torch.Tensor | None]:
         """The head's per-token input features ``[t, F]`` of each span (None where no row exists)."""
-        k = self.head.recipe.logprob_topk
+        k = self._feature_recipe.logprob_topk
         topk = topk_logprob_rows(logprobs, k, 0, len(token_ids)) if k else torch.zeros(len(token_ids), 0)
         arrays = AnswerArrays(generated_rows, torch.tensor(token_ids, dtype=torch.int64),
                               torch.zeros(len(token_ids)), topk)
-        return [span_features(arrays, s, self.head.recipe, list(self.layers)) for s in spans]
+        return [span_features(arrays, s, self._feature_recipe, list(self.layers)) for s in spans]
 
     def pooled_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
                         steps: Sequence[dict[str, Any]]) -> list[list[float] | None]:
@@ -109,7 +117,7 @@ class Scorer:
         ``pooling``), the vector a linear head reads: for people training their own heads."""
         spans = [StepSpan(s["token_start"], s["token_end"]) for s in steps]
         feats = self._token_features(token_ids, logprobs[: len(token_ids)], generated_rows, spans)
-        return [None if f is None else pool(f, self.head.recipe.pooling).tolist() for f in feats]
+        return [None if f is None else pool(f, self._feature_recipe.pooling).tolist() for f in feats]
 
     def score_spans(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
                     spans: Sequence[StepSpan]) -> list[dict[str, Any]]:

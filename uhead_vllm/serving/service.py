@@ -14,14 +14,14 @@ import asyncio
 import base64
 import json
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save as st_save
 
 from ..capture.points import site_name
 from ..capture.protocol import CapturedRows, CaptureSettings
-from ..generation.backends import make_capture_client
+from ..generation.backends import AsyncCaptureClient, make_capture_client
 from ..generation.completion import Recompute, RowCompletion, SequenceRows
 from .record import RequestRecord, new_tag
 from .scoring import Scorer
@@ -36,7 +36,8 @@ class UncertaintyService:
     def __init__(self, engine: Any, scorer: Scorer | None, settings: CaptureSettings, hidden_size: int,
                  block_size: int, max_rows_bytes: int, store_bytes: int, num_layers: int = 0):
         self.engine = engine  # the real engine client (not the tap)
-        self.capture = make_capture_client(engine)  # its async face: rows by tag, the worker's status
+        # An AsyncLLM's client: the async face (rows by tag, the worker's status).
+        self.capture = cast(AsyncCaptureClient, make_capture_client(engine))
         self.scorer = scorer
         self.settings = settings  # what the worker captures: layers, then points (serve --points), dtype, steering
         self.hidden_size = hidden_size
@@ -50,8 +51,11 @@ class UncertaintyService:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, spec: UncertaintySpec, salt: str = "", steer_args: dict | None = None) -> RequestRecord:
-        record = RequestRecord(uuid.uuid4().hex, spec, self.scorer.logprobs_needed if spec.steps else 0,
-                               salt, steer_args)
+        logprobs = 0
+        if spec.steps:
+            assert self.scorer is not None  # the spec refuses steps on a server without a head
+            logprobs = self.scorer.logprobs_needed
+        record = RequestRecord(uuid.uuid4().hex, spec, logprobs, salt, steer_args)
         self.registry[record.key] = record
         self.counters["requests"] += 1
         return record
@@ -148,6 +152,7 @@ class UncertaintyService:
         s = record.prompts[prompt_index].seqs[sample]
         out: dict[str, Any] = {}
         if spec.steps:
+            assert self.scorer is not None  # the spec refuses steps on a server without a head
             generated = rows[prompt_len:, : len(self.settings.layers)]  # the head reads layer columns
             scored = self.scorer.score(s.token_ids, s.logprobs, s.text, s.finish_reason, generated)
             if spec.features:
@@ -157,7 +162,9 @@ class UncertaintyService:
             out.update(scored)
             out["head"] = self.scorer.name
         if spec.rows:
-            out["rows"] = self._encode_rows(rows, record.prompts[prompt_index].prompt_token_ids + s.token_ids, spec)
+            prompt_ids = record.prompts[prompt_index].prompt_token_ids
+            assert prompt_ids is not None  # set by the prompt's first output
+            out["rows"] = self._encode_rows(rows, prompt_ids + s.token_ids, spec)
         return out
 
     async def new_stream_steps(self, record: RequestRecord, choice_index: int) -> list[dict[str, Any]]:
@@ -166,6 +173,7 @@ class UncertaintyService:
         s = record.prompts[prompt_index].seqs.get(sample)
         if s is None or not record.spec.steps:
             return []
+        assert self.scorer is not None  # the spec refuses steps on a server without a head
         spans = self.scorer.final_spans(s.token_ids)
         if len(spans) <= s.steps_sent:
             return []
@@ -181,6 +189,7 @@ class UncertaintyService:
         return new
 
     def _encode_rows(self, rows: torch.Tensor, token_ids: list[int], spec: UncertaintySpec) -> dict[str, Any]:
+        assert spec.rows is not None  # called for a request that asks for rows
         n_layers = len(self.settings.layers)
         idx = ([self.settings.layers.index(k) for k in spec.rows.layers]
                + [n_layers + self.settings.points.index(s) for s in spec.rows.points])

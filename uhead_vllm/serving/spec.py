@@ -210,6 +210,7 @@ def parse_steer(value: Any, xargs: dict | None, steering: bool, num_layers: int,
                                     "`uhead-vllm serve --steering` (eager engines only)")
     try:
         spec = SteerSpec.from_extra_args({STEER_KEY: value})
+        assert spec is not None  # value is not None
         spec.check(num_layers, hidden_size)
     except (SteerSpecError, OverflowError) as exc:  # OverflowError: an integer too large for a float
         raise BadUncertaintyRequest(f"steer: {exc}") from None

@@ -8,7 +8,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -41,7 +41,7 @@ class TaskPlan:
         return cls(parts[0], int(parts[1]), int(parts[2]))
 
 
-def select_questions(plan: TaskPlan, exclude: set[str] = frozenset(), unique: bool = True,
+def select_questions(plan: TaskPlan, exclude: AbstractSet[str] = frozenset(), unique: bool = True,
                      max_pool_factor: int = 64) -> list[tasks.Question]:
     """``plan.n`` questions whose text is not in ``exclude`` (and distinct if ``unique``).
 
@@ -143,7 +143,7 @@ class CollectJob:
 
 
 def plan_job(out: str | Path, task_plans: Sequence[str], model: str | Path, layers: Sequence[int],
-             recipe: GenerationRecipe, *, exclude: set[str] = frozenset(), batch_size: int = 64,
+             recipe: GenerationRecipe, *, exclude: AbstractSet[str] = frozenset(), batch_size: int = 64,
              engine: dict[str, Any] | None = None, about: dict[str, Any] | None = None) -> CollectJob:
     """The job for ``task_plans`` (``task:n:seed`` each, or ``file:PATH`` for a JSON-lines question
     file, see :func:`uhead_vllm.tasks.load_question_file`; questions in ``exclude`` skipped, none

@@ -12,10 +12,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 from ..cli_args import add_common_args, add_scaleout_args, scaleout_options
 from ..runtime import set_env_defaults, set_threads
+
+if TYPE_CHECKING:  # features imports torch: not at this module's import
+    from ..features import Pooling
 
 # ------------------------------------------------------------------------------------------------
 # Study defaults (see docs/study.md for why these)
@@ -57,7 +60,7 @@ class StudyPlan:
 DEFAULT_STUDY_HEAD = "attention_step"
 
 #: Heads the study trains and compares: (name, head type, level, pooling, hyper-parameters).
-STUDY_HEADS: tuple[tuple[str, str, str, str, dict[str, Any]], ...] = (
+STUDY_HEADS: tuple[tuple[str, str, str, Pooling, dict[str, Any]], ...] = (
     ("linear_joint", "linear", "joint", "mean", {"C": 0.01}),
     ("attention_step", "attention", "step", "mean", {"max_epochs": 40, "patience": 8}),
     ("attention_joint", "attention", "joint", "mean", {"max_epochs": 40, "patience": 8}),
@@ -93,9 +96,9 @@ def _model_path(model: str | None) -> Path:
 
 def collect(out: str | Path, tasks: Sequence[str], *, model: str | None = None,
             layers: Sequence[int] = DEFAULT_LAYERS, style: str = "steps_plain", max_tokens: int = 64,
-            temperature: float = 0.0, logprobs: int = DEFAULT_TOPK, split_mode: str = "line", seed: int = 0,
-            samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64, overwrite: bool = False,
-            progress: bool = True, generator: Any = None, ray: Any = None,
+            temperature: float = 0.0, logprobs: int = DEFAULT_TOPK, split_mode: Literal["line", "sentence"] = "line",
+            seed: int = 0, samples: int = 1, exclude_from: Sequence[str | Path] = (), batch_size: int = 64,
+            overwrite: bool = False, progress: bool = True, generator: Any = None, ray: Any = None,
             engine: dict[str, Any] | None = None) -> Path:
     """Generate, grade and store answers for ``tasks`` (``task:n:seed`` each) into dataset ``out``.
 
@@ -138,7 +141,7 @@ def _generator(path: Path, layers: Sequence[int]) -> Any:
 
 
 def train(data: Sequence[str | Path], out: str | Path, *, head: str = "attention", level: str = "joint",
-          layers: Sequence[int] | None = None, pooling: str = "mean", logprob_topk: int = DEFAULT_TOPK,
+          layers: Sequence[int] | None = None, pooling: Pooling = "mean", logprob_topk: int = DEFAULT_TOPK,
           seed: int = 0, hyper: dict[str, Any] | None = None, threads: int | None = 1,
           progress: bool = True, overwrite: bool = False, examples: Any = None) -> Path:
     """Train a head on dataset directories ``data`` and save it to ``out``."""
@@ -153,7 +156,7 @@ def train(data: Sequence[str | Path], out: str | Path, *, head: str = "attention
     return out
 
 
-def evaluate(heads: dict[str, str | Path], data: dict[str, str | Path], out: str | Path, *,
+def evaluate(heads: Mapping[str, str | Path], data: Mapping[str, str | Path], out: str | Path, *,
              threads: int | None = 1, n_boot: int = 1000, progress: bool = True,
              calibration_head: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate heads (``name -> dir``) on datasets (``name -> dir``); writes results into ``out``.

@@ -45,14 +45,20 @@ def _recipe_key(recipe: FeatureRecipe) -> str:
     return json.dumps(recipe.to_dict(), sort_keys=True)
 
 
+def _recipe(head: UncertaintyHead) -> FeatureRecipe:
+    """The head's feature recipe (a head without one cannot read a study set)."""
+    assert head.recipe is not None
+    return head.recipe
+
+
 def score_set(ds: StudyDataset, heads: Mapping[str, UncertaintyHead], progress: bool = True) -> dict[str, SetScores]:
     """Scores of all heads and baselines on one dataset, at answer and step level."""
     by_recipe: dict[str, dict[str, Examples]] = {}
     for head in heads.values():
-        key = _recipe_key(head.recipe)
+        key = _recipe_key(_recipe(head))
         if key not in by_recipe:
-            check_recipe(ds, head.recipe)
-            by_recipe[key] = load_examples([ds], head.recipe, progress=progress, labelled_only=False)
+            check_recipe(ds, _recipe(head))
+            by_recipe[key] = load_examples([ds], _recipe(head), progress=progress, labelled_only=False)
     any_ex = next(iter(by_recipe.values()))
     answers, steps = any_ex["answer"], any_ex["step"]
     lab = steps.labelled()
@@ -63,7 +69,7 @@ def score_set(ds: StudyDataset, heads: Mapping[str, UncertaintyHead], progress: 
                           {b: steps.baseline(b)[lab] for b in BASELINES}, set()),
     }
     for name, head in heads.items():
-        ex = by_recipe[_recipe_key(head.recipe)]
+        ex = by_recipe[_recipe_key(_recipe(head))]
         rule = head.require_usage().answer_scoring
         other = "max_step" if rule == "span" else "span"
         step_probs = head.predict_proba(ex["step"].features)  # all steps, once: max_step and step level
@@ -142,7 +148,7 @@ def evaluate(head_dirs: Mapping[str, str | Path], eval_dirs: Mapping[str, str | 
     if calibration_head not in heads:
         raise ValueError(f"calibration head {calibration_head!r} is not among the heads {sorted(heads)}")
     results: dict[str, Any] = {
-        "heads": {name: {"dir": str(p), "type": heads[name].head_type, "recipe": heads[name].recipe.to_dict(),
+        "heads": {name: {"dir": str(p), "type": heads[name].head_type, "recipe": _recipe(heads[name]).to_dict(),
                          "answer_scoring": heads[name].require_usage().answer_scoring,
                          "level": heads[name].require_usage().level}
                   for name, p in head_dirs.items()},

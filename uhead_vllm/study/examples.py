@@ -22,7 +22,7 @@ from .baselines import BASELINES, span_baselines
 from .data import AnswerRecord, DatasetError, StudyDataset
 
 Level = Literal["step", "answer"]
-LEVELS: tuple[str, ...] = ("step", "answer")
+LEVELS: tuple[Level, ...] = ("step", "answer")
 
 
 @dataclass
@@ -104,7 +104,7 @@ def answer_examples(record: AnswerRecord, arrays: AnswerArrays, recipe: FeatureR
 def load_examples(datasets: Iterable[StudyDataset], recipe: FeatureRecipe, levels: Sequence[Level] = LEVELS,
                   progress: bool = True, labelled_only: bool = True) -> dict[str, Examples]:
     """Examples at each level from all ``datasets`` (read once)."""
-    out = {lv: Examples(lv) for lv in levels}
+    out: dict[str, Examples] = {lv: Examples(lv) for lv in levels}
     datasets = list(datasets)
     total = sum(len(ds) for ds in datasets)
     with tqdm(total=total, desc="features", unit="answer", disable=not progress, leave=False) as bar:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..features import FeatureRecipe
+from ..features import FeatureRecipe, Pooling
 from ..heads import HeadUsage, UncertaintyHead, head_class
 from ..heads.base import HEAD_LEVELS
 from ..scoring.recipe import GenerationRecipe
@@ -63,7 +63,7 @@ def make_head(head_type: str, recipe: FeatureRecipe, identity: dict[str, Any], s
 
 
 def train_head(dataset_dirs: Sequence[str | Path], head_type: str = "attention", level: str = "joint",
-               layers: Sequence[int] | None = None, pooling: str = "mean", logprob_topk: int = 0,
+               layers: Sequence[int] | None = None, pooling: Pooling = "mean", logprob_topk: int = 0,
                seed: int = 0, hyper: dict[str, Any] | None = None, progress: bool = True,
                examples: dict[str, Examples] | None = None) -> UncertaintyHead:
     """Fit a head on the datasets (or on preloaded ``examples`` from them)."""

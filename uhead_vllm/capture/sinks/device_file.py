@@ -52,10 +52,11 @@ class DeviceFileSink(HostPlacerSink):
     def _write_file(self, chunks: ChunkSlots, hidden: torch.Tensor, meta: torch.Tensor) -> object:
         """The device writes the rows into the registered row file (on the side stream on a GPU);
         prompt rows of prefix groups are then fanned out by the placer from the file."""
-        dest = self.destination
+        dest, writer = self.destination, self.writer
+        assert dest is not None and writer is not None  # _send calls with a writer, between begin() and take()
         places = np.stack(chunks.per_row())
         if hidden.device.type != "cuda":
-            self.writer.write(hidden, meta, *torch.from_numpy(places))
+            writer.write(hidden, meta, *torch.from_numpy(places))
             if dest.groups:
                 self.placer.submit(None, dest, None, meta, chunks)
             return None
@@ -63,7 +64,6 @@ class DeviceFileSink(HostPlacerSink):
         host_places = arena.host_copy(torch.empty(places.shape, dtype=torch.int64, device="meta"))
         host_places.numpy()[...] = places
         host_meta = arena.host_copy(meta) if dest.groups else None
-        writer = self.writer
 
         def write() -> None:
             slot_first, capacity = host_places.to(hidden.device, non_blocking=True)

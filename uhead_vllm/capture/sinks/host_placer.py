@@ -63,6 +63,7 @@ class HostPlacerSink:
 
     def _send(self, chunks: ChunkSlots, hidden: torch.Tensor, meta: torch.Tensor, n_rows: int) -> object:
         """To pinned memory, then the placer writes them."""
+        assert self.destination is not None  # the sink records only between begin() and take()
         host_hidden, host_meta, ready, release = self.staging.to_host(hidden, meta)
         self.placer.submit(ready, self.destination, host_hidden, host_meta, chunks, release)
         return ready

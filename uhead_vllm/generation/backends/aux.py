@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
@@ -71,7 +71,7 @@ class AuxClient:
             ) from exc
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> Placement:
+                   groups: Sequence[tuple[int, tuple[int, ...]]] = ()) -> Placement:
         """Drop rows recorded before (the worker's ``uhead_begin``) and give the worker a buffer of
         ``shape`` to write the next generation's rows into while it runs (``slots``: request tag ->
         first row, capacity; ``groups``: see ``capture/destination.py``). In this process a plain

@@ -9,7 +9,7 @@ never knows which backend it talks to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from ...adapters import engine as engine_internals
 from ...capture.destination import RowDestination
@@ -58,7 +58,7 @@ class CaptureClient(Protocol):
     settings: CaptureSettings
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: list[tuple[int, tuple[int, ...]]] = ()) -> Placement:
+                   groups: Sequence[tuple[int, tuple[int, ...]]] = ()) -> Placement:
         """Start a generation: drop rows recorded before it (requests made outside the generator)
         and name a buffer the worker writes this generation's rows into while it runs
         (``slots``: request tag -> first row, capacity; ``groups``: see

@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from safetensors import safe_open
@@ -160,7 +160,7 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple, groups: list = ()) -> Placement:
+    def place_into(self, slots: dict, shape: tuple, groups: Sequence = ()) -> Placement:
         """Rows of this backend arrive as files after the generation: never placed while it runs;
         earlier rows are dropped."""
         self.fetch()

@@ -115,7 +115,10 @@ class TreeSearch:
 
     @staticmethod
     def _validity(cand: Candidate, scorer: str) -> float:
-        return float(cand.value) if scorer == ORACLE else cand.validity[scorer]
+        if scorer == ORACLE:
+            assert cand.value is not None  # the oracle reads labelled candidates only
+            return float(cand.value)
+        return cand.validity[scorer]
 
     def _finish(self, paths: dict[str, list[list[Path]]]) -> dict[str, Outcome]:
         """Greedy final phase for unfinished paths, then the answer text per scorer and question."""

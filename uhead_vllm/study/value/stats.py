@@ -10,7 +10,7 @@ from ...metrics import pr_auc, roc_auc
 from ...heads.ranking import sibling_pairs
 
 
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000,
+def paired_bootstrap(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, *, resamples: int = 10_000,
                      seed: int = 0) -> dict[str, float]:
     """Mean of ``a - b`` over paired items (questions) and its 95% percentile bootstrap interval."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
@@ -22,13 +22,14 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int =
     return {"delta": float(d.mean()), "lo": float(lo), "hi": float(hi)}
 
 
-def bootstrap_mean(a: Sequence[float], *, resamples: int = 10_000, seed: int = 0) -> dict[str, float]:
+def bootstrap_mean(a: Sequence[float] | np.ndarray, *, resamples: int = 10_000, seed: int = 0) -> dict[str, float]:
     """Mean of ``a`` and its 95% percentile bootstrap interval."""
     r = paired_bootstrap(a, np.zeros(len(a)), resamples=resamples, seed=seed)
     return {"mean": r["delta"], "lo": r["lo"], "hi": r["hi"]}
 
 
-def within_group_accuracy(groups: Sequence[int], values: Sequence[float], validity: Sequence[float]) -> float:
+def within_group_accuracy(groups: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray,
+                          validity: Sequence[float] | np.ndarray) -> float:
     """Share of sibling pairs with different values that ``validity`` orders right (ties: half)."""
     v = np.asarray(validity, dtype=np.float64)
     b, w, _ = sibling_pairs(np.asarray(groups), np.asarray(values, dtype=np.float64))
@@ -38,7 +39,8 @@ def within_group_accuracy(groups: Sequence[int], values: Sequence[float], validi
     return float(((diff > 0) + 0.5 * (diff == 0)).mean())
 
 
-def step_metrics(groups: Sequence[int], values: Sequence[float], validity: Sequence[float]) -> dict[str, float | None]:
+def step_metrics(groups: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray,
+                 validity: Sequence[float] | np.ndarray) -> dict[str, float | None]:
     """ROC-AUC and PR-AUC of "step wrong" (value 0) against 1 - validity, PR-AUC of "step right"
     against validity (the minority class when most steps are wrong, where PR-AUC of "wrong" sits
     near its chance level for every scorer), and within-step accuracy.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from itertools import product
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -36,9 +36,10 @@ def fit_ranking_head(data: StepData, layers: Sequence[int], *, seed: int = 0,
                        "val_roc_auc": m["roc_auc"]})
         say(f"ranking head l2={l2:g} pair_weight={pw:g}: validation {m}")
     key = next((k for k in ("val_within_step_pairwise", "val_roc_auc") if record[0][k] is not None), None)
-    best = max(record, key=lambda r: r[key]) if key else DEFAULT
+    # The chosen metric is defined at every grid point (the same validation steps), as l2 and pair_weight are.
+    best = max(record, key=lambda r: cast(float, r[key])) if key else DEFAULT
     say(f"ranking head: {best} chosen by {key or 'default (no validation metric defined)'}")
-    head = RankingProbeHead(recipe, l2=best["l2"], pair_weight=best["pair_weight"])
+    head = RankingProbeHead(recipe, l2=cast(float, best["l2"]), pair_weight=cast(float, best["pair_weight"]))
     head.fit_pooled(x, data.wrong, data.groups, data.values)
     return head, record
 
@@ -47,7 +48,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-z))
 
 
-def step_report(data: StepData, head: RankingProbeHead) -> dict[str, dict[str, float]]:
+def step_report(data: StepData, head: RankingProbeHead) -> dict[str, dict[str, float | None]]:
     """:func:`step_metrics` for the ranking head (from stored features) and every stored scorer."""
     scores = dict(data.validity)
     scores["head_rank"] = 1.0 - _sigmoid(head.decision_pooled(data.features.double().numpy()))

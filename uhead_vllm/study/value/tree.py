@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ...features import StepSpan, pool
+from ...features import Pooling, StepSpan, pool
 from ...tasks import Question
 from ...thinkbooster.scorers import CandidateStep, HeadScorer
 
@@ -84,7 +84,7 @@ class Expander:
         seed: int,
         logprobs: int = 10,
         feature_head: HeadScorer | None = None,
-        feature_pooling: str = "mean_last",
+        feature_pooling: Pooling = "mean_last",
     ):
         self.gen = generator
         self.questions = list(questions)
@@ -183,6 +183,7 @@ class Expander:
     def _baselines(self, step: CandidateStep, node: Node, index: int) -> dict[str, float]:
         lps, sampled = [], []
         for p in range(step.span.start, step.span.end):
+            assert step.logprobs is not None  # steps are generated with logprobs
             d = step.logprobs[p]
             lp = np.array([float(v.logprob) for v in d.values()], dtype=np.float64)
             lps.append(lp[np.isfinite(lp)])
@@ -200,7 +201,7 @@ class Expander:
             feats = cache.get(key)
             if feats is None:
                 feats = cache[key] = scorer.features_batch([step for _, step in pending])
-            p = scorer.head.predict_proba(feats) if feats else []
+            p: np.ndarray | list[float] = scorer.head.predict_proba(feats) if feats else []
             for (cand, _), pw in zip(pending, p):
                 cand.validity[name] = 1.0 - float(pw)
         if self.feature_head is not None:
