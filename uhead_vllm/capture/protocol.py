@@ -35,7 +35,7 @@ class CaptureSettings:
     def __post_init__(self) -> None:
         layers = self.layers
         if not layers or any(not isinstance(k, int) or k < 0 for k in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"layers must be distinct non-negative ints (HF hidden-state indices), got {layers}")
+            raise ValueError(f"layers must be non-negative ints without duplicates (HF indices), got {layers}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_bytes <= 0:
