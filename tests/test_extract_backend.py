@@ -58,6 +58,11 @@ def extract_llm(model_path, aux_result, tmp_path_factory):
     yield llm
     del llm
     gc.collect()
+    # An in-process engine's KV connector is a process global that outlives the engine; without
+    # this, the next engine of the session (no connector) trips over it.
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
 
 
 @pytest.mark.slow

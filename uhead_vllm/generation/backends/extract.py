@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -32,6 +33,7 @@ from ...capture.extract_connector import (
     parse_stem,
 )
 from ...adapters import engine as engine_internals
+from ...errors import EngineDeadError
 from ...capture.protocol import CapturedRows, CaptureSettings, empty_rows
 from .base import Placement
 
@@ -140,12 +142,19 @@ class ExtractClient:
         extra = _connector_extra(llm)
         if extra is None or LAYERS_KEY not in extra:
             raise ValueError("this vLLM engine was not built with extract_engine_kwargs(...)")
-        self.llm = llm
+        self._llm = weakref.ref(llm)  # the per-engine client cache must never keep an engine alive
         self.timeout = timeout
         self.out_dir = Path(extra["shared_storage_path"])
         self.settings = CaptureSettings(layers=tuple(int(k) for k in extra[LAYERS_KEY]),
                                         dtype=extra.get(DTYPE_KEY, "float32"))
         self.hidden_size = engine_internals.hidden_size(llm)
+
+    @property
+    def llm(self) -> Any:
+        llm = self._llm()
+        if llm is None:
+            raise EngineDeadError("this capture client's vLLM engine was garbage-collected; build a new one")
+        return llm
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout
