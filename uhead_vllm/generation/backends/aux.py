@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable, Sequence
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
 from ...capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CapturedRows, CaptureSettings, decode_rows
-from ...errors import CaptureNotInstalledError, EngineDeadError
-from .base import Placement, raise_if_engine_dead
+from ...errors import CaptureNotInstalledError
+from .base import Placement, live_engine, raise_if_engine_dead
 from .transports import transport_for
 
 
@@ -54,10 +54,7 @@ class AuxClient:
 
     @property
     def llm(self) -> Any:
-        llm = self._llm()
-        if llm is None:
-            raise EngineDeadError("this capture client's vLLM engine was garbage-collected; build a new one")
-        return llm
+        return live_engine(self._llm)
 
     def _status_payloads(self) -> list[str]:
         try:
@@ -117,10 +114,7 @@ class AsyncAuxClient:
         self._engine = weakref.ref(engine)
 
     async def _call(self, method: str, *args: Any) -> list:
-        engine = self._engine()
-        if engine is None:
-            raise EngineDeadError("this capture client's vLLM engine was garbage-collected")
-        return await engine.collective_rpc(method, args=args)
+        return await live_engine(self._engine).collective_rpc(method, args=args)
 
     async def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
         """Only the rows of ``tags`` (the rows of other requests stay in the worker); ``forget``

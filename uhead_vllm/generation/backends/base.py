@@ -27,6 +27,15 @@ def raise_if_engine_dead(exc: BaseException) -> None:
         ) from exc
 
 
+def live_engine(ref: Callable[[], Any]) -> Any:
+    """The engine a client's weak reference names; clients hold engines weakly so that the
+    per-engine client cache never keeps one alive."""
+    engine = ref()
+    if engine is None:
+        raise EngineDeadError("this capture client's vLLM engine was garbage-collected; build a new one")
+    return engine
+
+
 @dataclass
 class Placement:
     """Where the worker is asked to write the coming generation's rows.

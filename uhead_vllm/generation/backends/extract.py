@@ -33,9 +33,8 @@ from ...capture.extract_connector import (
     parse_stem,
 )
 from ...adapters import engine as engine_internals
-from ...errors import EngineDeadError
 from ...capture.protocol import CapturedRows, CaptureSettings, empty_rows
-from .base import Placement
+from .base import Placement, live_engine
 
 #: Keys of ``kv_connector_extra_config`` read back by :class:`ExtractClient`.
 LAYERS_KEY = "uhead_layers"
@@ -151,10 +150,7 @@ class ExtractClient:
 
     @property
     def llm(self) -> Any:
-        llm = self._llm()
-        if llm is None:
-            raise EngineDeadError("this capture client's vLLM engine was garbage-collected; build a new one")
-        return llm
+        return live_engine(self._llm)
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout
