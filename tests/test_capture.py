@@ -19,6 +19,7 @@ from reference import BF16_TOL, FP32_TOL, assert_rows_match, hf_rows, relative_e
 from conftest import make_vllm_kwargs
 from uhead_vllm.capture.protocol import RequestTag
 from uhead_vllm.generation import CaptureClient, CaptureError, CaptureNotInstalledError, VllmHiddenStatesGenerator, build_llm
+from uhead_vllm.generation.backends import make_capture_client
 from uhead_vllm.models import model_identity
 
 pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
@@ -127,6 +128,15 @@ def test_forged_tags_never_stop_the_engine_nor_touch_other_requests_rows(eager_e
     assert after["tags_malformed"] - before["tags_malformed"] == len(forged)
     assert after["tags_unannounced"] - before["tags_unannounced"] == 1
     assert after["tags_duplicate"] == before["tags_duplicate"]
+
+
+def test_one_capture_client_per_engine_chosen_once(eager_engine):
+    """``make_capture_client`` picks the backend and transport once and keeps the client for the
+    engine (holding the engine weakly); this engine's worker runs in this process."""
+    _, layers, llm = eager_engine
+    client = make_capture_client(llm)
+    assert make_capture_client(llm) is client and client.llm is llm and client.settings.layers == layers
+    assert client.transport.inline and client.status()["recording"]
 
 
 def test_compiled_mode_rows_match_hf(tiny_models):

@@ -101,6 +101,13 @@ def kv_connector(llm: Any) -> tuple[str, dict] | None:
     return None if kv is None else (str(kv.kv_connector), dict(kv.kv_connector_extra_config or {}))
 
 
+def engine_dead(engine: Any) -> bool:
+    """True once vLLM marked the engine core of ``engine`` (a ``vllm.LLM`` or an ``AsyncLLM``) dead:
+    an engine core in another process that exited. An in-process one raises where it fails."""
+    core = getattr(getattr(engine, "llm_engine", engine), "engine_core", None)
+    return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
+
+
 def is_engine_dead(exc: BaseException) -> bool:
     """True for vLLM's "engine dead" error (the engine core failed in an earlier call)."""
     try:

@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from .aux import AUX, AsyncAuxClient, AuxClient, CaptureNotInstalledError, capture_engine_kwargs
-from .base import AsyncCaptureClient, CaptureBackend, CaptureClient, Placement, raise_if_engine_dead
+from .base import AsyncCaptureClient, CaptureBackend, CaptureClient, Placement, check_engine_alive, raise_if_engine_dead
 from .extract import EXTRACT, ExtractClient
 
 #: Backends by name; ``aux`` is the default.
@@ -38,11 +38,15 @@ def make_capture_client(engine: Any) -> CaptureClient | AsyncCaptureClient:
     explains how to install capture, when no backend claims it), with the sync face the
     generator uses (:class:`~.base.CaptureClient`). vLLM's ``AsyncLLM`` (the API server) gets
     :class:`~.aux.AsyncAuxClient`, the async face (:class:`~.base.AsyncCaptureClient`). Clients
-    hold their engine weakly: the cache never keeps an engine alive."""
+    hold their engine weakly: the cache never keeps an engine alive. Raises
+    :class:`~uhead_vllm.errors.EngineDeadError` for an engine vLLM marked dead (a client made
+    earlier is no use then, and the caller should not learn it only at its first request)."""
     with _CLIENTS_GUARD:
         client = _CLIENTS.get(engine)
         if client is None:
             client = _CLIENTS[engine] = _new_client(engine)
+        else:
+            check_engine_alive(engine)
         return client
 
 

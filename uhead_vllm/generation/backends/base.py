@@ -17,14 +17,21 @@ from ...capture.protocol import CapturedRows, CaptureSettings
 from ...errors import EngineDeadError
 
 
+_DEAD = ("the vLLM engine is dead (its engine core failed earlier; the first error is in the log above); "
+         "build a new engine")
+
+
 def raise_if_engine_dead(exc: BaseException) -> None:
     """Re-raise vLLM's "engine dead" as :class:`uhead_vllm.errors.EngineDeadError`, so a crashed
     engine is reported as one (and not as a missing capture extension or a capture bug)."""
     if engine_internals.is_engine_dead(exc):
-        raise EngineDeadError(
-            "the vLLM engine is dead (its engine core failed earlier; the first error is in the log "
-            "above); build a new engine"
-        ) from exc
+        raise EngineDeadError(_DEAD) from exc
+
+
+def check_engine_alive(engine: Any) -> None:
+    """:class:`uhead_vllm.errors.EngineDeadError` for an engine vLLM already marked dead."""
+    if engine_internals.engine_dead(engine):
+        raise EngineDeadError(_DEAD)
 
 
 def live_engine(ref: Callable[[], Any]) -> Any:
