@@ -72,9 +72,7 @@ class VllmHiddenStatesGenerator:
     ):
         self.whitebox = model if hasattr(model, "model") and hasattr(model, "sampling_params") else None
         self.llm = self.whitebox.model if self.whitebox is not None else model
-        self.client = cast(CaptureClient, open_capture_client(self.llm))  # a vllm.LLM's client: the sync face
-        if hasattr(self.client, "status"):  # a cached client: its one RPC names a dead engine here
-            self.client.status()
+        self.client = cast(CaptureClient, open_capture_client(self.llm))  # sync face; raises on a dead engine
         self.layers: tuple[int, ...] = tuple(self.client.settings.layers)
         self.points: tuple[tuple[str, int], ...] = tuple(getattr(self.client.settings, "points", ()))
         self.columns = len(self.layers) + len(self.points)  # per row: the layers, then the points
