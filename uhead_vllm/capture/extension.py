@@ -23,7 +23,7 @@ from .layer_hooks import install_layer_hooks
 from .destination import RowDestination
 from .protocol import CAPTURE_KEY, CapturedRows, CaptureSettings, SharedDestination, encode_rows
 from .recorder import RowRecorder
-from .row_files import open_destination
+from .row_files import open_destination, rows_into_file
 from .steerer import Steerer
 from .sublayer_hooks import SublayerState, install_sublayer_hooks
 
@@ -262,12 +262,13 @@ class UheadCaptureExtension:
         return destination is not None
 
     def uhead_take(self, tags: list[int] | None = None, forget: bool = False,
-                   inline: bool = False) -> CapturedRows | bytes | None:
+                   inline: bool = False, into: str | None = None) -> CapturedRows | bytes | None:
         """The rows recorded since the last take (None on non-recording ranks), as safetensors
         bytes; ``inline=True`` returns the :class:`CapturedRows` itself (only a caller in this
         process may ask: nothing is serialised then). ``tags``: only the rows of these tags, the
         rows of other requests stay (the server's concurrent requests); ``forget`` also stops
-        recording them (see :meth:`RowRecorder.take_tags`)."""
+        recording them (see :meth:`RowRecorder.take_tags`); ``into``: a :class:`SharedDestination`
+        as JSON whose file takes the rows (row_files.rows_into_file)."""
         rec = self._uhead_get_recorder()
         if rec is None:
             return None
@@ -275,6 +276,8 @@ class UheadCaptureExtension:
             rows = rec.take()
         else:
             rows = rec.take_tags([int(t) for t in tags], forget=bool(forget))
+        if into is not None:
+            rows = rows_into_file(rows, SharedDestination.from_json(into), self._uhead_row_files()[0])
         return rows if inline else encode_rows(rows)
 
     def _uhead_row_files(self) -> tuple[dict[str, torch.Tensor], RegisteredFiles]:

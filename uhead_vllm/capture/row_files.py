@@ -2,7 +2,8 @@
 
 The engine side creates the file (sparse: pages appear as the worker writes them) and maps it; the
 worker maps the same file from its plain description (:class:`~.protocol.SharedDestination`), so
-rows reach the engine side without being serialised. The file holds the rows, then (aligned) one
+rows reach the engine side without being serialised (written while vLLM generates, or at a take by
+tag: :func:`rows_into_file`). The file holds the rows, then (aligned) one
 int32 token mark per row, each with one scratch place after the last: a writer on the device sends
 rows it must not keep (past a slot, of no slot) there instead of branching on the host
 (file_writer.py).
@@ -15,7 +16,7 @@ import os
 import torch
 
 from .destination import RowDestination
-from .protocol import DTYPES, SharedDestination
+from .protocol import DTYPES, CapturedRows, SharedDestination
 
 #: Alignment of the token marks after the rows in a shared row file.
 _TOKENS_ALIGN = 64
@@ -73,6 +74,30 @@ def destination_on(spec: SharedDestination, flat: torch.Tensor, tables: bool = T
     rows = spec.shape[0]
     buffer = byte_rows[:rows].view(DTYPES[spec.dtype]).view(spec.shape)
     return RowDestination(buffer, dict(spec.slots), list(spec.groups), marks[:rows], tables=tables)
+
+
+def rows_into_file(rows: CapturedRows, spec: SharedDestination, mapped: dict[str, torch.Tensor]) -> CapturedRows:
+    """Write ``rows``' hidden rows into the first rows of the engine side's file ``spec`` and leave
+    them out of ``rows`` (``stats["rows_in_file"]`` says how many): the rows cross through shared
+    memory, only their metadata as bytes. ``rows`` unchanged when they do not fit the file's shape
+    or the file is not visible here (another host)."""
+    n = rows.num_rows
+    if not n or rows.placed:
+        return rows
+    first = rows.hidden_parts[0]
+    if n > spec.shape[0] or tuple(first.shape[1:]) != spec.shape[1:] or first.dtype != DTYPES[spec.dtype]:
+        return rows
+    try:
+        buffer = open_destination(spec, mapped).buffer
+    except FileNotFoundError:
+        return rows
+    at = 0
+    for part in rows.hidden_parts:
+        buffer[at : at + len(part)].copy_(part)
+        at += len(part)
+    rows.hidden_parts = [first[:0]]
+    rows.stats = {**rows.stats, "rows_in_file": n}
+    return rows
 
 
 def _with_scratch(shape: tuple[int, int, int]) -> tuple[int, int, int]:

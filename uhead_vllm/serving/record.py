@@ -42,6 +42,7 @@ class PromptState:
     delta: bool
     prompt_token_ids: list[int] | None = None
     seqs: dict[int, SequenceState] = field(default_factory=dict)
+    prompt_len: int = 0  # as the handler knew it before the engine answered (0: unknown)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class RequestRecord:
                     f"x {self.row_bytes} bytes) > max_bytes {self.spec.max_bytes}; ask for fewer layers, "
                     "points or tokens, bfloat16, or a larger max_bytes")
             self.rows_bound = bound
-        self.prompts.append(PromptState(new_tag(), n, delta))
+        self.prompts.append(PromptState(new_tag(), n, delta, prompt_len=prompt_len or 0))
         return len(self.prompts) - 1, self.prompts[-1].tag
 
     def observe(self, prompt_index: int, request_output: Any) -> None:
@@ -107,6 +108,12 @@ class RequestRecord:
     @property
     def tags(self) -> list[int]:
         return [p.tag for p in self.prompts]
+
+    def rows_expected(self, margin: int = 8) -> int:
+        """About how many rows the worker holds for this request at most: every sequence's prompt
+        and the tokens seen so far, plus ``margin`` tokens the engine may be ahead by."""
+        return sum(p.n * (max(p.prompt_len, len(p.prompt_token_ids or ())) + margin)
+                   + sum(len(s.token_ids) for s in p.seqs.values()) for p in self.prompts)
 
     def locate(self, choice_index: int) -> tuple[int, int]:
         """(prompt index, sample) of an OpenAI choice index (vLLM: prompt * n + sample)."""

@@ -76,13 +76,14 @@ class UncertaintyService:
     async def fetch(self, record: RequestRecord) -> None:
         """Move the rows the worker recorded for this request so far into its record."""
         if record.tags:
-            rows = await self._fetch_tags(record.tags)
+            rows = await self._fetch_tags(record.tags, expect_rows=record.rows_expected())
             if rows.error:
                 self.counters["capture_errors"] += 1
             record.add_rows(rows)
 
-    async def _fetch_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
-        return await self.capture.take_tags(tags, forget)
+    async def _fetch_tags(self, tags: list[int], forget: bool = False, expect_rows: int = 0) -> CapturedRows:
+        """The rows of ``tags``; through shared memory when the caller says how many to expect."""
+        return await self.capture.take_tags(tags, forget, expect_rows)
 
     def _forget_soon(self, tags: list[int]) -> None:
         """Take ``tags``' rows out of the worker and stop recording them, as a task of its own (the
@@ -101,7 +102,8 @@ class UncertaintyService:
         taken = False
         try:
             await asyncio.gather(*(self._run(r) for r in requests))
-            rows = await self._fetch_tags(tags, forget=True)
+            expect = sum(len(r.prompt["prompt_token_ids"]) for r in requests)
+            rows = await self._fetch_tags(tags, forget=True, expect_rows=expect)
             taken = True
         finally:
             if not taken:
@@ -222,4 +224,4 @@ class UncertaintyService:
                 "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
                 "captured_layers": list(self.settings.layers),
                 "captured_points": [site_name(s) for s in self.settings.points], "head": self.limits.head_name,
-                **self.counters}
+                **self.counters, **self.capture.counters}

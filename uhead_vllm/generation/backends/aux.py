@@ -8,12 +8,17 @@ import json
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
+
 from ...adapters import engine as engine_internals
 from ...adapters.versions import check_vllm_version
-from ...capture.protocol import CAPTURE_KEY, EXTENSION_QUALNAME, CapturedRows, CaptureSettings, decode_rows
+from ...capture.protocol import (CAPTURE_KEY, EXTENSION_QUALNAME, CapturedRows, CaptureSettings, SharedDestination,
+                                 decode_rows)
+from ...capture.row_files import destination_nbytes, destination_on
 from ...errors import CaptureNotInstalledError
 from .base import Placement, live_engine, raise_if_engine_dead
-from .transports import transport_for
+from ..shared_rows import RowFile, SharedRowFiles
+from .transports import shared_row_files, transport_for
 
 
 def capture_engine_kwargs(
@@ -105,21 +110,60 @@ class AuxClient:
 
 class AsyncAuxClient:
     """The async face, for vLLM's ``AsyncLLM`` (the API server): its engine core always runs in
-    another process, so rows travel as safetensors bytes. Rows of a server's concurrent requests
-    are taken by tag."""
+    another process. Rows of a server's concurrent requests are taken by tag; given how many rows
+    to expect, the worker writes them into a shared-memory file of this engine's (the generator's
+    transport, transports.py), else they travel as safetensors bytes."""
 
     inline = False
 
     def __init__(self, engine: Any):
         self._engine = weakref.ref(engine)
+        self._row_shape: tuple[int, int, str] | None = None  # (columns, width, dtype) of a row
+        self.counters = {"rows_in_shared_memory": 0, "rows_as_bytes": 0}
 
     async def _call(self, method: str, *args: Any) -> list:
         return await live_engine(self._engine).collective_rpc(method, args=args)
 
-    async def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+    async def take_tags(self, tags: list[int], forget: bool = False, expect_rows: int = 0) -> CapturedRows:
         """Only the rows of ``tags`` (the rows of other requests stay in the worker); ``forget``
-        also stops recording them (a client that went away)."""
-        return one_payload(await self._call("uhead_take", [int(t) for t in tags], bool(forget), False), False)
+        also stops recording them (a client that went away). ``expect_rows``: how many rows the
+        caller expects at most (0: unknown, bytes)."""
+        args = ([int(t) for t in tags], bool(forget), False)
+        file = await self._row_file(expect_rows) if expect_rows > 0 else None
+        if file is None:
+            rows = one_payload(await self._call("uhead_take", *args), False)
+        else:
+            files, row_file, spec, buffer = file
+            try:
+                rows = one_payload(await self._call("uhead_take", *args, spec.to_json()), False)
+            finally:
+                files.unname(row_file)  # the worker has mapped it (or never will)
+            in_file = int(rows.stats.get("rows_in_file", 0))
+            if in_file:
+                rows.hidden_parts = [buffer[:in_file]]
+            self.counters["rows_in_shared_memory"] += in_file
+        if not rows.placed:
+            self.counters["rows_as_bytes"] += rows.num_rows - int(rows.stats.get("rows_in_file", 0))
+        return rows
+
+    async def _row_file(self, rows: int) -> tuple[SharedRowFiles, RowFile, SharedDestination, torch.Tensor] | None:
+        """A shared row file for ``rows`` rows and the engine side's view of them (None: no room)."""
+        if self._row_shape is None:
+            status = await self.status()
+            settings = settings_of([status])
+            self._row_shape = (settings.num_columns, int(status["hidden_size"]), settings.dtype)
+        columns, width, dtype = self._row_shape
+        shape = (rows, columns, width)
+        files = shared_row_files(live_engine(self._engine))
+        taken = files.take(destination_nbytes(shape, dtype))
+        if taken is None:
+            return None
+        row_file, flat = taken
+        spec = SharedDestination(row_file.path, shape, dtype, {}, row_file.file_id, key=row_file.key,
+                                 file_bytes=row_file.nbytes, keep=tuple(files.keys()))
+        with torch.inference_mode(False):
+            buffer = destination_on(spec, flat, tables=False).buffer
+        return files, row_file, spec, buffer
 
     async def status(self) -> dict:
         """The recording rank's status (``uhead_status``; ``{"recording": False}`` where no rank
