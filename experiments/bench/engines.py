@@ -75,8 +75,9 @@ class Runner:
     """Owns one engine; ``run`` times one pass of a workload, ``close`` frees the engine."""
 
     def __init__(self, config: Config, model: str, model_dtype: str, layers: tuple[int, ...],
-                 engine: dict, prompts: list[str], workload: Workload):
+                 engine: dict, prompts: list[str], workload: Workload, max_capture_bytes: int = 8 << 30):
         self.config = config
+        self.max_capture_bytes = max_capture_bytes
         self.layers = tuple(layers)
         self.prompts = prompts
         self.workload = workload
@@ -104,7 +105,7 @@ class Runner:
             from uhead_vllm.generation import build_llm
 
             return build_llm(model, self.layers, dtype=model_dtype, capture_dtype=self.config.storage,
-                             max_capture_bytes=8 << 30, enforce_eager=eager, **engine)
+                             max_capture_bytes=self.max_capture_bytes, enforce_eager=eager, **engine)
         from vllm import LLM
 
         if self.config.kind == "common":
@@ -158,18 +159,19 @@ class Runner:
 
         self.llm.generate = generate
 
-    def run(self, workload: Workload | None = None, keep: list | None = None) -> RunResult:
-        """Time one pass of ``workload``; pass ``keep`` to hold the results (for memory probes).
+    def run(self, workload: Workload | None = None, keep: list | None = None, **generate_kwargs: Any) -> RunResult:
+        """Time one pass of ``workload``; pass ``keep`` to hold the results (for memory probes);
+        ``generate_kwargs`` go to the generator's ``generate`` (capturing configurations only).
 
         Besides wall time, the process CPU time of the pass is kept: on a machine shared with other
         work, CPU time is less disturbed by waiting for a core than wall time is.
         """
         c0 = time.process_time()
-        res = self._run(workload, keep)
+        res = self._run(workload, keep, generate_kwargs)
         res.cpu_seconds = time.process_time() - c0
         return res
 
-    def _run(self, workload: Workload | None, keep: list | None) -> RunResult:
+    def _run(self, workload: Workload | None, keep: list | None, generate_kwargs: dict | None = None) -> RunResult:
         wl = workload or self.workload
         prompts = self.prompts[: wl.num_prompts]
         sp = wl.sampling_params()
@@ -204,7 +206,7 @@ class Runner:
                              payload_bytes=nbytes, hidden_bytes=hidden_bytes,
                              extra={"vllm_generate_seconds": t1 - t0, "fetch_seconds": t0 + dt - t1})
         t0 = time.perf_counter()
-        res = self.gen.generate(prompts, sp)
+        res = self.gen.generate(prompts, sp, **(generate_kwargs or {}))
         dt = time.perf_counter() - t0
         samples = [s for per_prompt in res.hidden_states for s in per_prompt]
         rows = sum(int(s.hidden.shape[0]) for s in samples)
