@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from experiments import provenance
 
@@ -116,8 +116,10 @@ def stats_of(res: Any) -> dict:
 
 
 def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtype: str, n_layers: int, hidden: int,
-              vocab: int, cells: list[tuple[int, int]], modes: list[str], windowed: bool) -> list[dict]:
-    """Build the capturing engine of ``count`` layers, time every cell against ``plain``, close it."""
+              vocab: int, cells: list[tuple[int, int]], modes: list[str], windowed: bool,
+              done: Callable[[dict], None]) -> None:
+    """Build the capturing engine of ``count`` layers, time every cell against ``plain`` (``done``
+    gets each finished cell), close it."""
     from .engines import Config, Runner
     from .workload import Workload
 
@@ -130,7 +132,6 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                   [], Workload(1, 1, args.max_tokens), max_capture_bytes=max(budget, 8 << 30))
     build_s = time.perf_counter() - t0
     log(f"capture engine, layers {count} ({len(layers)}): built in {build_s:.0f} s")
-    out = []
     try:
         for length, n in cells:
             prompts = token_prompts(max(1, args.sequences // n), length, vocab, seed=length * 100 + n)
@@ -179,10 +180,9 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                                     "bytes_over_floor": (last[m]["bytes_to_host"] or 0) / (floor * row_bytes)}
                 log(f"  layers {count} prompt {length} n={n} {m}: capture/plain {cell['modes'][m]['throughput_ratio']:.3f}, "
                     f"to host {(last[m]['bytes_to_host'] or 0) / 2**20:.0f} MiB (floor {floor * row_bytes / 2**20:.0f} MiB)")
-            out.append(cell)
+            done({**cell, "capture_engine_build_s": build_s})
     finally:
         ours.close()
-    return out
 
 
 def markdown(result: dict) -> str:
@@ -190,7 +190,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Capture cost grid: capture / plain vLLM ({m['model']}, {m['gpu']}, vLLM {m['versions']['vllm']})", "",
              f"commit `{m['commit']}`, `{m['command']}`, {m['time']}; torch {m['versions']['torch']}; "
              f"{m['sequences']} sequences per call x {m['max_tokens']} tokens (ignore_eos), {m['reps']} alternating "
-             f"repeats per way; {m['duration_s']:.0f} s in all.", ""]
+             f"repeats per way; {m['duration_s']:.0f} s in all" + ("" if m["complete"] else " (CUT SHORT: cells so far)")
+             + ".", ""]
     lines += [f"- skipped: {s}" for s in m["skipped"]]
     lines += ["", "| layers | prompt tokens | n | mode | capture / plain | pairs (min-max) | rows returned | "
               "to host (MiB) | floor (MiB) | x floor |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -259,6 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         model = str(build_model(args.out / "work" / f"{args.shape}-random", args.shape, Path(args.tokenizer),
                                 save_weights=False))
+        # this folder's own config (dummy weights): room for the longest prompt and its answer
+        # (the shapes' 4096 positions hold no 4,000-token prompt + 128 tokens)
+        path = Path(model) / "config.json"
+        own = json.loads(path.read_text())
+        own["max_position_embeddings"] = max(own["max_position_embeddings"], 8192)
+        path.write_text(json.dumps(own, indent=2))
     cfg = json.loads((Path(model) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     n_layers, hidden, vocab = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["vocab_size"])
@@ -273,31 +280,38 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     plain = Runner(Config("plain", "eager" if args.eager else "compiled"), model, dtype, (0,),
                    engine_settings(args, longest), [], Workload(1, 1, args.max_tokens))
-    log(f"plain engine built in {time.perf_counter() - t0:.0f} s")
-    results: list[dict] = []
-    try:
-        for count in args.layers:
-            try:
-                results += run_group(count, args, plain, model, dtype, n_layers, hidden, vocab, cells, modes, windowed)
-            except Exception as exc:  # one layer group failing leaves the others' numbers
-                skipped.append(f"layers {count}: failed: {exc!r}"[:600])
-                log(skipped[-1])
-    finally:
-        plain.close()
+    plain_build_s = time.perf_counter() - t0
+    log(f"plain engine built in {plain_build_s:.0f} s")
     command = "python -m experiments.bench.grid " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": gpu_name(),
                        "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                     "python": sys.version.split()[0]},
                        "model": args.shape if not args.model else Path(model).name, "dtype": dtype,
-                       "engine": engine_settings(args, longest), "sequences": args.sequences,
-                       "max_tokens": args.max_tokens, "reps": args.reps, "window_keyword": windowed,
-                       "skipped": skipped, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "duration_s": time.perf_counter() - t_start},
-              "cells": results}
+                       "engine": engine_settings(args, longest), "plain_engine_build_s": plain_build_s,
+                       "sequences": args.sequences, "max_tokens": args.max_tokens, "reps": args.reps,
+                       "window_keyword": windowed, "skipped": skipped, "complete": False},
+              "cells": []}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"grid-{result['meta']['model']}" + ("-quick" if args.quick else "-layers" + "-".join(args.layers))
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(result))
+
+    def save(cell: dict | None = None) -> None:  # after every cell: a run cut short keeps its numbers
+        if cell is not None:
+            result["cells"].append(cell)
+        result["meta"].update(time=time.strftime("%Y-%m-%d %H:%M:%S"), duration_s=time.perf_counter() - t_start)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (args.out / f"{name}.md").write_text(markdown(result))
+
+    try:
+        for count in args.layers:
+            try:
+                run_group(count, args, plain, model, dtype, n_layers, hidden, vocab, cells, modes, windowed, save)
+            except Exception as exc:  # one layer group failing leaves the others' numbers
+                skipped.append(f"layers {count}: failed: {exc!r}"[:600])
+                log(skipped[-1])
+    finally:
+        plain.close()
+    result["meta"]["complete"] = True
+    save()
     log(f"wrote {args.out / name}.json and .md in {result['meta']['duration_s']:.0f} s")
     return result
 

@@ -9,7 +9,10 @@
 #           captures points, which only hook eager engines; ~3 min)
 #   bench   experiments.serving.bench_gpu --quick: vanilla vLLM vs uhead-vllm serve (~4.5 min)
 #   grid    experiments.bench.grid --quick: capture / plain over prompt length, n, windows (~4.5 min)
-# Extra arguments: BENCH_ARGS, GRID_ARGS (appended). UHEAD_COMMIT names the commit (the machine gets
+#   bench-full, grid-full: the same without --quick (grid-full: one shape and layer count a call,
+#           e.g. GRID_ARGS="--shape llama8b --layers 1")
+# Extra arguments: BENCH_ARGS, GRID_ARGS (appended); each step's limit: TESTS_LIMIT (300 s),
+# FAULTS_LIMIT (220), BENCH_LIMIT (540), GRID_LIMIT (540). UHEAD_COMMIT names the commit (the machine gets
 # a working tree). $OUT gets at most 8 files (the device tool's limit): steps.txt (one line per
 # step: name, exit code, seconds), versions.json, each benchmark's .json and .md, and
 # logs-<steps>.tgz with every log and the tests' result files.
@@ -46,7 +49,7 @@ run_step() {  # run_step NAME LIMIT_S COMMAND...: log to $LOGS/NAME.log, one lin
   shift 2
   t0=$(date +%s)
   echo "[$(date +%H:%M:%S)] step $name (limit ${limit} s)"
-  timeout -k 20 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
   tail -n 6 "$LOGS/$name.log"
@@ -57,24 +60,26 @@ for s in $steps; do
     tests)
       mkdir -p "$LOGS/serving-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/serving-tests \
-        run_step tests 330 python3 -m pytest tests/gpu/test_serving_gpu.py -q -p no:cacheprovider ;;
+        run_step tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/gpu/test_serving_gpu.py -q -p no:cacheprovider ;;
     faults)
       # every test server eager (points and steering need it) and at 0.2 of the card (two live at once)
       UHEAD_TEST_SERVER_ARGS="--enforce-eager --gpu-memory-utilization 0.2" \
-        run_step faults 300 python3 -m pytest tests/test_serving_faults.py -q -p no:cacheprovider ;;
-    bench)
+        run_step faults "${FAULTS_LIMIT:-220}" python3 -m pytest tests/test_serving_faults.py -q -p no:cacheprovider ;;
+    bench|bench-full)  # bench-full: without --quick (the whole serving grid)
+      quick=$([ "$s" = bench ] && echo --quick)
       # shellcheck disable=SC2086
-      run_step bench 560 python3 -m experiments.serving.bench_gpu --tokenizer .gpu/tok --out "$LOGS/bench" --quick \
-        ${BENCH_ARGS:-}
+      run_step "$s" "${BENCH_LIMIT:-540}" python3 -m experiments.serving.bench_gpu --tokenizer .gpu/tok \
+        --out "$LOGS/bench" $quick ${BENCH_ARGS:-}
       cp "$LOGS"/bench/serving-bench-*.json "$LOGS"/bench/serving-bench-*.md "$OUT/" 2>/dev/null
       cat "$LOGS"/bench/serving-bench-*.md 2>/dev/null ;;
-    grid)
+    grid|grid-full)  # grid-full: without --quick; pick the shape and layer count with GRID_ARGS
+      quick=$([ "$s" = grid ] && echo --quick)
       # shellcheck disable=SC2086
-      VLLM_ENABLE_V1_MULTIPROCESSING=1 run_step grid 560 python3 -m experiments.bench.grid --tokenizer .gpu/tok \
-        --out "$LOGS/grid" --quick ${GRID_ARGS:-}
+      VLLM_ENABLE_V1_MULTIPROCESSING=1 run_step "$s" "${GRID_LIMIT:-540}" python3 -m experiments.bench.grid \
+        --tokenizer .gpu/tok --out "$LOGS/grid" $quick ${GRID_ARGS:-}
       cp "$LOGS"/grid/grid-*.json "$LOGS"/grid/grid-*.md "$OUT/" 2>/dev/null
       cat "$LOGS"/grid/grid-*.md 2>/dev/null ;;
-    *) echo "unknown step: $s (tests | faults | bench | grid)" | tee -a "$OUT/steps.txt" ;;
+    *) echo "unknown step: $s (tests | faults | bench | bench-full | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
 # everything else in one archive: logs, the tests' result files (the models' folders left out)

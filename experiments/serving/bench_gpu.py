@@ -57,10 +57,18 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
 
 
+def template_tokens(tokenizer: Any) -> int:
+    """Tokens the chat template adds around a user message (SmolLM2's: a system prompt, ~30)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def make_prompts(tokenizer: Any, count: int, tokens: int, tag: str, seed: int) -> list[str]:
-    """``count`` user messages of about ``tokens`` tokens each (the chat template adds a few), each
-    starting with its own tag so that no two requests of the run share a prefix-cache block."""
+    """``count`` user messages that make chat prompts of about ``tokens`` tokens each (template
+    included), each starting with its own tag so that no two requests of the run share a
+    prefix-cache block."""
     rng = random.Random(seed)
+    tokens = max(8, tokens - template_tokens(tokenizer))
     vocab = [w for w in ("apple river stone cloud seven garden quiet number bright market table "
                          "window paper orange silver mountain letter follow answer simple yellow").split()]
     words_per_token = len(tokenizer(" ".join(vocab))["input_ids"]) / len(vocab)
@@ -68,7 +76,7 @@ def make_prompts(tokenizer: Any, count: int, tokens: int, tag: str, seed: int) -
     for i in range(count):
         head = f"[{tag}-{i}-{rng.randrange(10 ** 9)}] "
         body = " ".join(rng.choice(vocab) for _ in range(max(1, int(tokens / words_per_token))))
-        ids = tokenizer(head + body)["input_ids"][: max(1, tokens - 8)]
+        ids = tokenizer(head + body, add_special_tokens=False)["input_ids"][:tokens]
         out.append(tokenizer.decode(ids, skip_special_tokens=True))
     return out
 
@@ -222,7 +230,8 @@ def log(msg: str) -> None:
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Serving on the GPU: vanilla vLLM vs uhead-vllm serve ({m['shape']}, {m['gpu']}, vLLM {m['versions']['vllm']})",
-             "", f"commit `{m['commit']}`, `{m['command']}`, {m['time']}; torch {m['versions']['torch']}; "
+             "", ("" if m["complete"] else "**CUT SHORT: the cells measured so far.** ") +
+             f"commit `{m['commit']}`, `{m['command']}`, {m['time']}; torch {m['versions']['torch']}; "
              f"{m['max_tokens']} output tokens per request (ignore_eos), streamed chat requests, "
              f"server starts {m['start_seconds']['vanilla']:.0f} s / {m['start_seconds']['uhead']:.0f} s.", "",
              "| prompt tokens | concurrency | way | output tok/s | vs vanilla | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | "
@@ -273,8 +282,20 @@ def main(argv: list[str] | None = None) -> dict:
     servers, start_seconds = start_servers(args, model, head, work)
     urls = {"vanilla-plain": servers["vanilla"].url, "uhead-plain": servers["uhead"].url,
             "uhead-scored": servers["uhead"].url}
-    cells: list[dict] = []
-    status: dict = {}
+    command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": gpu_name(),
+                             "versions": versions(), "shape": args.shape if not args.model else str(model),
+                             "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
+                             "start_seconds": start_seconds, "complete": False},
+                    "cells": [], "uhead_status_after": {}}
+    name = f"serving-bench-{args.shape if not args.model else 'model'}{'-quick' if args.quick else ''}"
+
+    def save() -> None:  # after every cell: a run cut short keeps its numbers
+        result["meta"].update(time=time.strftime("%Y-%m-%d %H:%M:%S"), duration_s=time.perf_counter() - t_start)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / f"{name}.md").write_text(markdown(result))
+
+    cells = result["cells"]
     try:
         for way in WAYS:  # warm-up: both prompt lengths, a full batch, untimed
             url = urls[way] + "/chat/completions"
@@ -299,21 +320,13 @@ def main(argv: list[str] | None = None) -> dict:
                         f"TTFT p50 {1000 * (r['ttft_p50_s'] or 0):.0f} ms, ITL p50 {1000 * (r['itl_p50_s'] or 0):.1f} ms, "
                         f"failed {r['failed']}")
                 cells.append({**cell, "order": list(cell["ways"])})
-        status = servers["uhead"].get_json("/uhead/status")
+                save()
+        result["uhead_status_after"] = servers["uhead"].get_json("/uhead/status")
+        result["meta"]["complete"] = True
     finally:
         for s in servers.values():
             s.stop()
-    tail = "-quick" if args.quick else ""
-    command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": gpu_name(),
-                       "versions": versions(), "shape": args.shape if not args.model else str(model),
-                       "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
-                       "start_seconds": start_seconds, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "duration_s": time.perf_counter() - t_start},
-              "cells": cells, "uhead_status_after": status}
-    name = f"serving-bench-{args.shape if not args.model else 'model'}{tail}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
+        save()
     log(f"wrote {out / name}.json and .md in {result['meta']['duration_s']:.0f} s")
     return result
 
