@@ -47,6 +47,7 @@ DEFAULT_MODULES = [
     "vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server",
     "vllm.entrypoints.openai.chat_completion.serving", "vllm.entrypoints.openai.completion.serving",
     "uvicorn", "uvloop", "experiments.gpu.models", "experiments.gpu.bench_gpu", "experiments.gpu.preflight_313",
+    "experiments.serving.bench_gpu", "experiments.bench.grid", "experiments.bench.engines", "aiohttp", "pytest", "httpx", "psutil",
     "uhead_vllm", "uhead_vllm.capture.extension", "uhead_vllm.capture.extract_connector",
     "uhead_vllm.generation", "uhead_vllm.serving.plugin", "uhead_vllm.serving.launch",
     "uhead_vllm.serving.install", "uhead_vllm.cli", "uhead_vllm._testing", "uhead_vllm.runtime",

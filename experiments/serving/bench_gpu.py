@@ -207,7 +207,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path)
     servers: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    servers["vanilla"] = Server([str(model), "--seed", "0", *common], work / "vanilla.log", timeout=args.start_timeout,
+    servers["vanilla"] = Server(["--model", str(model), "--seed", "0", *common], work / "vanilla.log", timeout=args.start_timeout,
                                 command=VLLM_SERVE, env={"VLLM_PLUGINS": ""})
     seconds["vanilla"] = time.perf_counter() - t0
     log(f"vanilla vLLM up in {seconds['vanilla']:.0f} s")
