@@ -152,11 +152,16 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
             for r in (plain, ours):
                 r.prompts = prompts
             warm = Workload(len(prompts), n, min(8, args.max_tokens))
-            for w in ways:  # untimed: allocations of this batch shape
+            for w in list(ways):  # untimed: allocations of this batch shape; a mode that fails here is dropped
                 if w == "plain":
                     plain.run(warm)
-                else:
+                    continue
+                try:
                     ours.run(warm, **kw[w])
+                except Exception as exc:  # e.g. a window the generator refuses: reported, never timed
+                    cell["skipped"][w] = f"failed: {exc!r}"[:400]
+                    ways.remove(w)
+                    log(f"  prompt {length} n={n}: mode {w} {cell['skipped'][w]}")
             seconds: dict[str, list[float]] = {w: [] for w in ways}
             last: dict[str, dict] = {}
             for rep in range(args.reps):
