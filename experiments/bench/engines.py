@@ -67,6 +67,15 @@ class RunResult:
         return self.generated_tokens / self.cpu_seconds if self.cpu_seconds else None
 
 
+def _row_parts(sample: Any) -> tuple[Any, ...]:
+    """A sample's rows as the generator holds them: its prompt part (a view shared by the prompt's
+    samples, where the generator shares them) and its own part; ``hidden`` where there are no parts
+    (asking a sharing generator's ``hidden`` would build a contiguous copy)."""
+    if hasattr(sample, "own_rows"):
+        return sample.prompt_rows, sample.own_rows
+    return (sample.hidden,)
+
+
 def _generated(outputs: list[Any]) -> int:
     return sum(len(o.token_ids) for ro in outputs for o in ro.outputs)
 
@@ -208,9 +217,9 @@ class Runner:
         t0 = time.perf_counter()
         res = self.gen.generate(prompts, sp, **(generate_kwargs or {}))
         dt = time.perf_counter() - t0
-        samples = [s for per_prompt in res.hidden_states for s in per_prompt]
-        rows = sum(int(s.hidden.shape[0]) for s in samples)
-        hidden_bytes = sum(s.hidden.numel() * s.hidden.element_size() for s in samples)
+        parts = [p for per_prompt in res.hidden_states for s in per_prompt for p in _row_parts(s)]
+        rows = sum(int(p.shape[0]) for p in parts)
+        hidden_bytes = sum(p.numel() * p.element_size() for p in parts)
         if keep is not None:
             keep.append(res)
         st = res.stats

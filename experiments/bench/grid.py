@@ -11,8 +11,10 @@ mode) run ``--reps`` times, alternating in a rotated order, after one untimed sh
 the prefix cache (and the row store) is reset before every run, so every run does the same work.
 
 Reported per cell: throughput capture / plain (ratio of median seconds, and the median of
-per-repeat pairs), rows returned and bytes crossing to the host per call (the capture RPC's
-payload, or the rows placed straight into the caller's buffer) next to the floor: distinct rows x
+per-repeat pairs), rows returned (every sample's window, shared prompt rows counted per sample) and
+bytes crossing to the host per call (the generator's ``bytes_to_host`` counter where it keeps one,
+else what its fetches handed over: the capture RPC's payload or the rows placed straight into the
+caller's buffer), next to the floor: distinct rows x
 layers x hidden x 2 B, where distinct rows are each prompt's rows once plus every sample's own
 generated rows (``"all"``), or the generated rows alone (``"generated"``); rows of the last sampled
 token are never computed and are not counted.
@@ -92,11 +94,11 @@ def engine_settings(args: argparse.Namespace, longest: int) -> dict[str, Any]:
     engines of a run sharing the card (0.42 each, the KV cache pinned to the same size); on a CPU
     (``--cpu``) the tests' small engine."""
     max_len = longest + args.max_tokens + 16
+    load = {} if args.model else {"load_format": "dummy"}  # a --shape folder has no weights
     if args.cpu:
-        return dict(kv_cache_memory_bytes=256 << 20, max_model_len=max_len, max_num_seqs=16, block_size=32,
+        return dict(**load, kv_cache_memory_bytes=256 << 20, max_model_len=max_len, max_num_seqs=16, block_size=32,
                     enable_prefix_caching=True, seed=0)
     kv_gib = 8 if args.shape == "llama8b" else 4
-    load = {} if args.model else {"load_format": "dummy"}
     return dict(**load, enable_prefix_caching=True, max_model_len=max_len, max_num_seqs=256,
                 gpu_memory_utilization=0.42, kv_cache_memory_bytes=kv_gib << 30, seed=0)
 
@@ -173,9 +175,12 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     keep: list = []
                     res = ours.run(wl, keep, **kw[w])
                     seconds[w].append(res.seconds)
+                    stats = stats_of(keep[0]) if keep else {}
+                    # the generator's own count where it keeps one, else the bytes its fetches handed over
+                    to_host = stats.get("bytes_to_host", res.payload_bytes)
                     last[w] = {"rows_returned": res.rows, "rows_forwarded": res.rows_forwarded,
-                               "bytes_to_host": res.payload_bytes, "bytes_returned": res.hidden_bytes,
-                               "stats": stats_of(keep[0]) if keep else {}}
+                               "bytes_to_host": to_host, "bytes_fetched": res.payload_bytes,
+                               "bytes_returned_views": res.hidden_bytes, "stats": stats}
                     keep.clear()
             cell["plain_seconds"] = seconds["plain"]
             for m in ways[1:]:
