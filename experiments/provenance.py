@@ -1,4 +1,4 @@
-"""What stamps a results file: the commit that made it."""
+"""What stamps a results file: the commit that made it, and the GPU it ran on."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
+
+
+def gpu_name() -> str:
+    """The first GPU's name from ``nvidia-smi`` (no CUDA context in this process: vLLM would start
+    its engine processes by spawn after one), or what stood in the way."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "none (no nvidia-smi)"
+    return out.splitlines()[0] if out else "none (no GPU listed)"

@@ -9,6 +9,7 @@ flight must end them properly and stop every process promptly, leaving no shared
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,6 +65,11 @@ VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 PLUGIN_ENV = {"VLLM_PLUGINS": "uhead_vllm"}
 
 
+#: Flags appended to every test server's command line, e.g. ``--enforce-eager --gpu-memory-utilization
+#: 0.2`` to run the CPU suite's servers on a GPU (experiments/gpu/device_all_032.sh); unset in CI.
+EXTRA_ARGS_ENV = "UHEAD_TEST_SERVER_ARGS"
+
+
 class Server:
     """A server as a child process (``uhead-vllm serve`` unless ``command`` says otherwise, with
     ``env`` added to this process's); ``url`` is its OpenAI base URL."""
@@ -76,7 +82,8 @@ class Server:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server needs its engine core process
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([*command, *args, "--port", str(self.port)], stdout=self._log,
+        extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+        self.proc = subprocess.Popen([*command, *args, *extra, "--port", str(self.port)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"

@@ -1,6 +1,6 @@
 """The paired GPU bench's interval for a ratio of medians (experiments/gpu/bench_gpu.py): pure
 arithmetic, checked on series whose ratio is known; the host probe that runs before it, and the
-core pinning built on the probe."""
+core pinning built on the probe; the capture grid's row floor and the GPU serving bench's summary."""
 
 from __future__ import annotations
 
@@ -138,3 +138,24 @@ def test_across_rounds_is_the_median_of_rounds_with_an_interval_around_it():
     pooled = {"seconds": {"plain-graphs": [1.0, 1.0], "plain-graphs-b": [1.2, 1.2], "ours-graphs": [1.1, 1.1],
                           "ours-same": [1.1, 1.1]}, "ratio_of_medians": 1 / 1.1}
     assert round_ratio(pooled) == pytest.approx(1.0)
+
+
+def test_the_grid_floor_counts_each_prompt_once_and_every_generated_row_but_the_last():
+    from experiments.bench.grid import floor_rows, layer_set
+
+    # 2 prompts of 10 tokens, n=3, 5 tokens each: the last sampled token is never forwarded
+    assert floor_rows(2, 10, 3, 5, "all") == 2 * 10 + 2 * 3 * 4
+    assert floor_rows(2, 10, 3, 5, "generated") == 2 * 3 * 4
+    assert layer_set(32, "1") == (16,) and layer_set(32, "3") == (0, 16, 32) and layer_set(32, "all") == tuple(range(33))
+
+
+def test_the_serving_summary_pools_chunk_gaps_and_counts_failures_apart():
+    from experiments.serving.bench_gpu import summarise
+
+    ok = [{"ttft": 0.1 * (i + 1), "gaps": [0.01, 0.02, 0.03], "chunks": 4, "tokens": 4, "prompt_tokens": 100,
+           "e2e": 1.0, "tpot": 0.02} for i in range(3)]
+    s = summarise([*ok, {"error": "HTTP 500: boom"}], wall=2.0)
+    assert (s["requests"], s["failed"], s["errors"]) == (4, 1, ["HTTP 500: boom"])
+    assert s["output_tokens"] == 12 and s["output_tok_per_s"] == 6.0 and s["tokens_per_chunk"] == 1.0
+    assert s["ttft_p50_s"] == pytest.approx(0.2) and s["ttft_p95_s"] == pytest.approx(0.3)
+    assert s["itl_p50_s"] == 0.02 and s["itl_p95_s"] == 0.03

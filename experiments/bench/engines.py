@@ -67,6 +67,15 @@ class RunResult:
         return self.generated_tokens / self.cpu_seconds if self.cpu_seconds else None
 
 
+def _row_parts(sample: Any) -> tuple[Any, ...]:
+    """A sample's rows as the generator holds them: its prompt part (a view shared by the prompt's
+    samples, where the generator shares them) and its own part; ``hidden`` where there are no parts
+    (asking a sharing generator's ``hidden`` would build a contiguous copy)."""
+    if hasattr(sample, "own_rows"):
+        return sample.prompt_rows, sample.own_rows
+    return (sample.hidden,)
+
+
 def _generated(outputs: list[Any]) -> int:
     return sum(len(o.token_ids) for ro in outputs for o in ro.outputs)
 
@@ -75,8 +84,9 @@ class Runner:
     """Owns one engine; ``run`` times one pass of a workload, ``close`` frees the engine."""
 
     def __init__(self, config: Config, model: str, model_dtype: str, layers: tuple[int, ...],
-                 engine: dict, prompts: list[str], workload: Workload):
+                 engine: dict, prompts: list[str], workload: Workload, max_capture_bytes: int = 8 << 30):
         self.config = config
+        self.max_capture_bytes = max_capture_bytes
         self.layers = tuple(layers)
         self.prompts = prompts
         self.workload = workload
@@ -104,7 +114,7 @@ class Runner:
             from uhead_vllm.generation import build_llm
 
             return build_llm(model, self.layers, dtype=model_dtype, capture_dtype=self.config.storage,
-                             max_capture_bytes=8 << 30, enforce_eager=eager, **engine)
+                             max_capture_bytes=self.max_capture_bytes, enforce_eager=eager, **engine)
         from vllm import LLM
 
         if self.config.kind == "common":
@@ -158,18 +168,19 @@ class Runner:
 
         self.llm.generate = generate
 
-    def run(self, workload: Workload | None = None, keep: list | None = None) -> RunResult:
-        """Time one pass of ``workload``; pass ``keep`` to hold the results (for memory probes).
+    def run(self, workload: Workload | None = None, keep: list | None = None, **generate_kwargs: Any) -> RunResult:
+        """Time one pass of ``workload``; pass ``keep`` to hold the results (for memory probes);
+        ``generate_kwargs`` go to the generator's ``generate`` (capturing configurations only).
 
         Besides wall time, the process CPU time of the pass is kept: on a machine shared with other
         work, CPU time is less disturbed by waiting for a core than wall time is.
         """
         c0 = time.process_time()
-        res = self._run(workload, keep)
+        res = self._run(workload, keep, generate_kwargs)
         res.cpu_seconds = time.process_time() - c0
         return res
 
-    def _run(self, workload: Workload | None, keep: list | None) -> RunResult:
+    def _run(self, workload: Workload | None, keep: list | None, generate_kwargs: dict | None = None) -> RunResult:
         wl = workload or self.workload
         prompts = self.prompts[: wl.num_prompts]
         sp = wl.sampling_params()
@@ -204,11 +215,11 @@ class Runner:
                              payload_bytes=nbytes, hidden_bytes=hidden_bytes,
                              extra={"vllm_generate_seconds": t1 - t0, "fetch_seconds": t0 + dt - t1})
         t0 = time.perf_counter()
-        res = self.gen.generate(prompts, sp)
+        res = self.gen.generate(prompts, sp, **(generate_kwargs or {}))
         dt = time.perf_counter() - t0
-        samples = [s for per_prompt in res.hidden_states for s in per_prompt]
-        rows = sum(int(s.hidden.shape[0]) for s in samples)
-        hidden_bytes = sum(s.hidden.numel() * s.hidden.element_size() for s in samples)
+        parts = [p for per_prompt in res.hidden_states for s in per_prompt for p in _row_parts(s)]
+        rows = sum(int(p.shape[0]) for p in parts)
+        hidden_bytes = sum(p.numel() * p.element_size() for p in parts)
         if keep is not None:
             keep.append(res)
         st = res.stats

@@ -47,10 +47,11 @@ DEFAULT_MODULES = [
     "vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server",
     "vllm.entrypoints.openai.chat_completion.serving", "vllm.entrypoints.openai.completion.serving",
     "uvicorn", "uvloop", "experiments.gpu.models", "experiments.gpu.bench_gpu", "experiments.gpu.preflight_313",
+    "experiments.serving.bench_gpu", "experiments.bench.grid", "experiments.bench.engines", "aiohttp", "pytest", "httpx", "psutil",
     "uhead_vllm", "uhead_vllm.capture.extension", "uhead_vllm.capture.extract_connector",
     "uhead_vllm.generation", "uhead_vllm.serving.plugin", "uhead_vllm.serving.launch",
     "uhead_vllm.serving.install", "uhead_vllm.cli", "uhead_vllm._testing", "uhead_vllm.runtime",
-    "uhead_vllm.models", "openai", "transformers",
+    "uhead_vllm.models", "openai", "transformers", "anthropic", "python_multipart", "starlette.formparsers",
 ]
 
 ALIASES = {  # image distributions whose import name is not their normalised name
@@ -91,7 +92,7 @@ def image_packages(path: pathlib.Path) -> set[str]:
 def build(args: argparse.Namespace) -> dict:
     work = pathlib.Path(args.work).resolve()
     carried, image, vdir = work / "carried", work / "image", work / "vllm"
-    pins = [ln.split("#")[0].strip() for ln in pathlib.Path(args.pins).read_text().splitlines()]
+    pins = [ln.split("#")[0].strip() for f in args.pins for ln in pathlib.Path(f).read_text().splitlines()]
     pins = [p for p in pins if p and not p.startswith("vllm==")]  # the vLLM wheel: --vllm-wheel
     carried_names = {norm(p.split("==")[0].split("[")[0]) for p in pins}
     # torch, triton and NCCL travel in the torch group; this environment's torch (CPU) stands in for
@@ -122,6 +123,7 @@ def build(args: argparse.Namespace) -> dict:
                 dst.symlink_to(src)
         linked.append(name)
     fake = work / "broken"  # metadata only: version checks see the image's build, importing it fails
+    fake.mkdir(parents=True, exist_ok=True)  # on the path even when every such package is carried
     args.broken = [b for b in args.broken if norm(b.split("==")[0]) not in carried_names]
     for name, version in (b.split("==") if "==" in b else (b, "0") for b in args.broken):
         info = fake / f"{name}-{version}.dist-info"
@@ -218,7 +220,7 @@ def lazy_imports(loaded: dict[str, str], available: set[str]) -> dict[str, list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--image", required=True)
-    ap.add_argument("--pins", required=True)
+    ap.add_argument("--pins", required=True, nargs="+", help="pin files (the vLLM group's, then any extra part's)")
     ap.add_argument("--vllm-wheel", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
