@@ -24,8 +24,10 @@ class GenerationStats:
     rows_captured: int = 0  # rows taken from the first pass
     rows_placed: int = 0  # of those, rows the worker wrote into their place while vLLM generated
     rows_written_on_device: int = 0  # of those, rows the GPU wrote into the shared row file itself
-    prefix_cache_rows: int = 0  # rows vLLM skipped because their KV was cached
+    prefix_cache_rows: int = 0  # rows of the capture windows vLLM skipped because their KV was cached
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
+    rows_skipped: int = 0  # rows vLLM computed below the samples' capture windows: never recorded nor copied
+    bytes_to_host: int = 0  # bytes of the rows the worker recorded and sent to the host (incl. recompute)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
     forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
     forwards_replayed: int = 0  # of those, forwards whose row copy replayed a CUDA graph (GPU)
@@ -49,11 +51,16 @@ class GenerationStats:
 
 @dataclass
 class SampleHiddenStates:
-    """Rows for one sample: ``hidden[p]`` is the state after reading ``token_ids[p]``.
+    """Rows for one sample: ``hidden[p - first_row]`` is the state after reading ``token_ids[p]``.
 
     ``token_ids`` = ``prompt_token_ids`` + ``output_token_ids`` exactly as vLLM ran them. The last
-    sampled token is never forwarded by vLLM, so ``hidden`` has ``len(token_ids) - 1`` rows unless
-    the last token was computed on request (``compute_last_token=True``).
+    sampled token is never forwarded by vLLM, so ``hidden`` has ``len(token_ids) - 1 - first_row``
+    rows unless the last token was computed on request (``compute_last_token=True``).
+
+    ``first_row`` is the position of ``hidden[0]``: 0 with the capture window ``"all"`` (the
+    default), ``prompt_len`` with ``"generated"``, ``prompt_len - k`` with k prompt rows. ``layer``
+    and ``point`` give the window's rows, ``generated_rows`` and ``steps`` the generated tokens'
+    rows, for every window.
 
     ``last_row_missing`` is True when the last row was asked for but cannot exist: the sequence
     fills ``max_model_len`` and vLLM refuses to forward a prompt that long. Such a sample keeps
@@ -77,6 +84,7 @@ class SampleHiddenStates:
     last_row_missing: bool = False
     points: tuple[tuple[str, int], ...] = ()  # (point, decoder layer) of the columns after the layers
     streams: int = 1  # parallel residual streams per token (DeepSeek-V4 mHC: hc_mult)
+    first_row: int = 0  # position of ``hidden[0]`` (the capture window's start)
 
     @property
     def token_ids(self) -> list[int]:
@@ -87,7 +95,7 @@ class SampleHiddenStates:
         return len(self.prompt_token_ids)
 
     def layer(self, k: int) -> torch.Tensor:
-        """Rows of HF hidden-state index ``k`` as ``[rows, H]``; ``[rows, S, H]`` (every stream, HF's
+        """Rows of HF hidden-state index ``k`` as ``[rows, H]`` (from ``first_row`` on); ``[rows, S, H]`` (every stream, HF's
         layout) for a model of ``S > 1`` residual streams."""
         if k not in self.layers:
             raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
@@ -95,15 +103,16 @@ class SampleHiddenStates:
         return rows if self.streams == 1 else rows.unflatten(-1, (self.streams, -1))
 
     def point(self, name: str, layer: int) -> torch.Tensor:
-        """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``."""
+        """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``
+        (from ``first_row`` on)."""
         site = (ALIASES.get(name, name), int(layer))
         if site not in self.points:
             raise KeyError(f"point {name}.{layer} was not captured; captured points: {list(self.points)}")
         return self.hidden[:, len(self.layers) + self.points.index(site)]
 
     def generated_rows(self) -> torch.Tensor:
-        """Rows at the generated tokens' positions that exist (see class docstring)."""
-        return self.hidden[self.prompt_len :]
+        """Rows at the generated tokens' positions that exist (see class docstring), any window."""
+        return self.hidden[max(self.prompt_len - self.first_row, 0) :]
 
 
 @dataclass
@@ -141,7 +150,8 @@ def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: Generation
         sample = SampleHiddenStates(
             prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
             output_token_ids=list(q.output.token_ids), text=q.output.text, layers=layers,
-            hidden=q.rows, last_row_missing=q.last_row_missing, points=points, streams=streams,
+            hidden=q.rows[q.need_from :], last_row_missing=q.last_row_missing, points=points, streams=streams,
+            first_row=q.need_from,
         )
         record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                             hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued
