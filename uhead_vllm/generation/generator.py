@@ -28,6 +28,7 @@ from .prefix_store import held_bytes
 from .results import GenerationStats, HiddenStatesGeneration, SampleHiddenStates, collect
 from .sequences import occupied as occupied_bytes
 from .sequences import sequences, set_row_keys
+from .shared_prompt import shared_rows, store_straddling_blocks
 from .step_cache import StepCache
 from .steering import SteeredRequest, steer_request
 
@@ -201,6 +202,8 @@ class VllmHiddenStatesGenerator:
         stats.tokens_forwarded += done.rows_forwarded + done.rows_skipped
         stats.rows_skipped += done.rows_skipped
         stats.bytes_to_host += done.bytes_to_host
+        store_straddling_blocks(seqs, self.store)
+        stats.rows_shared = shared_rows(seqs)
         stats.store_evictions = self.store.evictions - evictions
         stats.store_stale_drops = self.store.stale_drops - stale
 

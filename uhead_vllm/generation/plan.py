@@ -4,7 +4,8 @@ Needs the caller's prompts and sampling params, the tokenizer and the engine's s
 Produces a :class:`CallPlan`: every prompt rendered once (text prompts as token ids, as vLLM
 would tokenize them), and one :class:`PlannedRequest` per sample, each with its own capture tag,
 its capture window, its own one-sample ``SamplingParams`` and its cache keys (see steering.py).
-Nothing runs yet.
+The samples of a prompt share its rows: sample 0 records the prompt's rows (within the window),
+the others from the prompt's end on (their own part). Nothing runs yet.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class PlannedRequest:
     params: Any  # this request's own SamplingParams (n=1, tagged)
     steering: SteeredRequest  # its steering and cache keys
     start: int = 0  # its capture window's start: the first position whose row the call returns
+    record_from: int = 0  # the first position whose row the worker records for it (past the prompt: shared)
 
 
 @dataclass
@@ -153,10 +155,12 @@ def plan_call(prompts: Sequence[PromptLike], rendered: list[Rendered], params: l
         if id(sp) not in private:
             private[id(sp)] = copy.deepcopy(sp)
         sp = private[id(sp)]
-        start = window_start(window, len(rendered_i[0]["prompt_token_ids"]))
+        prompt_len = len(rendered_i[0]["prompt_token_ids"])
+        start = window_start(window, prompt_len)
         for s in range(sp.n):
             tag = next_tag()
-            child = tagged(sp, s, tag, start)
+            own = start if s == 0 else max(start, prompt_len)  # sample 0 holds the prompt rows for all
+            child = tagged(sp, s, tag, own)
             child.extra_args.update(request.extra_args)
-            requests.append(PlannedRequest(tag, i, s, rendered_i[1], request.vllm_input, child, request, start))
+            requests.append(PlannedRequest(tag, i, s, rendered_i[1], request.vllm_input, child, request, start, own))
     return CallPlan(list(prompts), rendered, requests, last)

@@ -146,6 +146,18 @@ class PrefixRowStore:
         self._evict()
         return added
 
+    def put_block(self, key: bytes, rows: torch.Tensor) -> bool:
+        """Store ``rows`` (one block of its own, ``[block_size, L, H]``) under ``key`` unless a block
+        is stored there; returns whether it was new."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return False
+        address = buffer_address(rows)
+        self._blocks[key] = (self._source(rows, address, seal=True), 0)
+        self._hold(address, _buffer_bytes(rows))
+        self._evict()
+        return True
+
     def _source(self, rows: torch.Tensor, address: int, seal: bool) -> _Source:
         source = _Source(rows, address, rows._version if seal else None)
         if not seal:

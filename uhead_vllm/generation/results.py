@@ -27,6 +27,7 @@ class GenerationStats:
     prefix_cache_rows: int = 0  # rows of the capture windows vLLM skipped because their KV was cached
     capture_missed_rows: int = 0  # rows vLLM computed but capture did not record (a defect)
     rows_skipped: int = 0  # rows vLLM computed below the samples' capture windows: never recorded nor copied
+    rows_shared: int = 0  # prompt rows a sample reads from its prompt's one copy (sample 0's), not its own
     bytes_to_host: int = 0  # bytes of the rows the worker recorded and sent to the host (incl. recompute)
     forwards_seen: int = 0  # model forwards the worker saw during the first pass
     forwards_recorded: int = 0  # of those, forwards whose tagged rows were recorded
@@ -66,8 +67,14 @@ class SampleHiddenStates:
     fills ``max_model_len`` and vLLM refuses to forward a prompt that long. Such a sample keeps
     ``len(token_ids) - 1`` exact rows instead of failing the whole call.
 
-    ``hidden`` is a view into one buffer that holds every sample of the call, shared (not copied)
-    with the generator's prefix row store and step cache. Editing it in place is safe but not
+    The samples of one prompt share its rows: ``prompt_rows`` (the window's rows at prompt
+    positions) of every sample are one view of the rows sample 0 recorded, ``own_rows`` are the
+    sample's own (its generated tokens' positions); neither is ever a copy. ``hidden`` is both in
+    one contiguous tensor: for sample 0 (and any sample of n=1) a view, for the others built by
+    concatenation on the first ask and then kept.
+
+    The rows are views into one buffer that holds every sample of the call, shared (not copied)
+    with the generator's prefix row store and step cache. Editing them in place is safe but not
     free: the store notices (the buffer's version counter) and recomputes those rows when a later
     call needs them. Clone first to edit rows without that cost.
     """
@@ -79,12 +86,22 @@ class SampleHiddenStates:
     output_token_ids: list[int]
     text: str
     layers: tuple[int, ...]
-    hidden: torch.Tensor  # [rows, L, H]; [rows, L, S * H] for a model of S residual streams
+    prompt_rows: torch.Tensor  # [prompt_len - first_row, L, H]: a view, shared by the prompt's samples
+    own_rows: torch.Tensor  # [rows at generated positions, L, H]; [.., L, S * H] for S residual streams
     steps: list[StepRecord] = field(default_factory=list)
     last_row_missing: bool = False
     points: tuple[tuple[str, int], ...] = ()  # (point, decoder layer) of the columns after the layers
     streams: int = 1  # parallel residual streams per token (DeepSeek-V4 mHC: hc_mult)
     first_row: int = 0  # position of ``hidden[0]`` (the capture window's start)
+    _hidden: torch.Tensor | None = field(default=None, repr=False)  # the window's rows in one tensor, once built
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The window's rows ``[rows, L, H]`` in one tensor: ``prompt_rows`` then ``own_rows`` (built
+        once, on the first ask, where the prompt rows are another sample's)."""
+        if self._hidden is None:
+            self._hidden = torch.cat([self.prompt_rows, self.own_rows])
+        return self._hidden
 
     @property
     def token_ids(self) -> list[int]:
@@ -99,7 +116,7 @@ class SampleHiddenStates:
         layout) for a model of ``S > 1`` residual streams."""
         if k not in self.layers:
             raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
-        rows = self.hidden[:, self.layers.index(k)]
+        rows = self._column(self.layers.index(k))
         return rows if self.streams == 1 else rows.unflatten(-1, (self.streams, -1))
 
     def point(self, name: str, layer: int) -> torch.Tensor:
@@ -108,11 +125,18 @@ class SampleHiddenStates:
         site = (ALIASES.get(name, name), int(layer))
         if site not in self.points:
             raise KeyError(f"point {name}.{layer} was not captured; captured points: {list(self.points)}")
-        return self.hidden[:, len(self.layers) + self.points.index(site)]
+        return self._column(len(self.layers) + self.points.index(site))
+
+    def _column(self, j: int) -> torch.Tensor:
+        """Column ``j`` of every row: a view once ``hidden`` exists, else only this column joined."""
+        if self._hidden is not None:
+            return self._hidden[:, j]
+        return torch.cat([self.prompt_rows[:, j], self.own_rows[:, j]])
 
     def generated_rows(self) -> torch.Tensor:
-        """Rows at the generated tokens' positions that exist (see class docstring), any window."""
-        return self.hidden[max(self.prompt_len - self.first_row, 0) :]
+        """Rows at the generated tokens' positions that exist (see class docstring), any window:
+        ``own_rows``, never a copy."""
+        return self.own_rows
 
 
 @dataclass
@@ -127,7 +151,8 @@ def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: Generation
     """The call's result: per prompt one merged vLLM output and every sample's rows, each sample
     linked to the steps of the trajectory it continues (looked up for the whole call first, so
     candidates of this call never parent each other). ``seqs``: the call's completed
-    :class:`~.sequences.Sequence` objects, in plan order."""
+    :class:`~.sequences.Sequence` objects, in plan order (a prompt's sample 0 first, whose rows
+    hold the prompt part every sample of it shares)."""
     prompts = plan.prompts
     step_cache.begin_call()
     keys = [step_key(q.prompt, q.step_salt) for q in seqs]
@@ -136,8 +161,10 @@ def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: Generation
     merged: list[Any] = [None] * len(prompts)
     # vLLM's outputs of this call's own requests reach no one else: one per prompt becomes its
     # merged output, each sample's completion keeps its object (no copies).
+    holder: dict[int, Any] = {}  # prompt -> the sequence holding its prompt rows (its sample 0)
     for q, key in zip(seqs, keys):
         i = q.prompt_index
+        rep = holder.setdefault(i, q)
         out = q.output
         out.index = q.sample
         if merged[i] is None:
@@ -147,11 +174,12 @@ def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: Generation
                 merged[i].prompt = plan.rendered[i][1]
         merged[i].outputs.append(out)
         prompt_ids = list(q.request_output.prompt_token_ids)
+        p, f = len(prompt_ids), q.first_row
         sample = SampleHiddenStates(
             prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
             output_token_ids=list(q.output.token_ids), text=q.output.text, layers=layers,
-            hidden=q.rows[q.need_from :], last_row_missing=q.last_row_missing, points=points, streams=streams,
-            first_row=q.need_from,
+            prompt_rows=rep.rows[f:p], own_rows=q.rows[p:], last_row_missing=q.last_row_missing, points=points,
+            streams=streams, first_row=f, _hidden=q.rows[f:] if rep is q else None,
         )
         record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                             hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued

@@ -40,7 +40,9 @@ class Sequence:
     rows: torch.Tensor | None = None  # set by the first pass: a view of the call's row buffer
     valid: torch.Tensor | None = None  # set by the first pass
     keys: list[bytes] | None = None  # row-store keys of its full blocks
-    need_from: int = 0  # its capture window's start: rows before it are neither captured nor completed
+    need_from: int = 0  # rows before it are neither captured nor completed: its window's start, for the
+    #                     samples of a prompt but the first the prompt's end (the first holds the prompt's rows)
+    first_row: int = 0  # its capture window's start
 
 
 def sequences(plan: CallPlan, request_outputs: list[Any], max_model_len: int) -> list[Sequence]:
@@ -60,7 +62,8 @@ def sequences(plan: CallPlan, request_outputs: list[Any], max_model_len: int) ->
         seqs.append(Sequence(r.prompt_index, r.sample, r.prompt, expected, ids, num_rows, ro.outputs[0], ro,
                              last=last and not full, last_row_missing=full, salt=steering.salt,
                              cache_salt=steering.cache_salt, steer_args=steering.extra_args,
-                             step_salt=steering.step_salt, need_from=min(r.start, num_rows)))
+                             step_salt=steering.step_salt, need_from=min(r.record_from, num_rows),
+                             first_row=min(r.start, num_rows)))
     return seqs
 
 
