@@ -3,7 +3,7 @@
     python tests/gpu/window_parity.py --model DIR --mode graphs --out result.json
 
 Prompts sharing a long prefix, n=4, on one engine with prefix caching, strict mode: the window
-"all", then "generated" and 8 prompt rows with the prompts cached, a step continuing a shared
+"all", then "generated" and 24 prompt rows with the prompts cached, a step continuing a shared
 sample, and "generated" again from a cold cache. Rows inside each window are compared with HF's on the GPU; the
 counters say what crossed to the host (the rows held, never those outside a window) and the
 samples' prompt parts are one copy per prompt.
@@ -64,7 +64,7 @@ def run(model_dir: str, mode: str, dtype: str, layers: tuple[int, ...]) -> dict[
     hit = phase("generated_cached", "generated", prompts)
     if (hit.stats.rows_from_store, hit.stats.rows_recomputed) != (0, 0):
         problems.append("generated_cached: a prefix-cache hit below the window cost a fill or a recompute")
-    phase("k8_cached", 8, prompts)
+    phase("k24_cached", 24, prompts)  # past a 16-token block: some rows from the store
     s = full.hidden_states[0][3]  # its block across the prompt's end: joined from sample 0's rows in the store
     phase("continue_shared_sample", "all", [s.prompt + s.text], SamplingParams(max_tokens=12, temperature=0.0))
     gen.reset_hs_step_cache(reset_prefix_cache=True)
