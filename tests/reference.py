@@ -51,11 +51,13 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((got - ref).norm(dim=-1) / scale).max())
 
 
-def assert_rows_match(path, token_ids, hidden: torch.Tensor, layers, tol: float, dtype: str = "float32") -> float:
-    """Every row of ``hidden`` (aligned to token_ids from position 0) equals the reference."""
-    assert hidden.shape[0] in (len(token_ids), len(token_ids) - 1), (hidden.shape, len(token_ids))
+def assert_rows_match(path, token_ids, hidden: torch.Tensor, layers, tol: float, dtype: str = "float32",
+                      first_row: int = 0) -> float:
+    """Every row of ``hidden`` (aligned to token_ids from position ``first_row``, a capture
+    window's start) equals the reference."""
+    assert first_row + hidden.shape[0] in (len(token_ids), len(token_ids) - 1), (first_row, hidden.shape, len(token_ids))
     assert hidden.shape[1] == len(layers)
-    ref = hf_rows(path, token_ids, layers, dtype)[: hidden.shape[0]]
+    ref = hf_rows(path, token_ids, layers, dtype)[first_row : first_row + hidden.shape[0]]
     err = relative_error(hidden, ref)
     assert err < tol, f"relative error {err:.3g} >= {tol} over {hidden.shape[0]} rows"
     return err

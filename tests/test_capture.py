@@ -171,18 +171,25 @@ def test_multiprocess_rows_match_hf(multiprocess_run):
         on_device = int(m["rows_placed"]) if way == "file-writer" else 0
         assert int(m["rows_written_on_device"]) == on_device, way
         assert (int(m["again_rows_written_on_device"]) > 0) == (way == "file-writer"), way
-        assert int(m["rows_from_shared_prefix"]) > 0 and int(m["rows_from_store"]) == 0, way
+        assert int(m["rows_shared"]) > 0 and int(m["rows_from_store"]) == 0, way  # samples share the prompt rows
         # Shared row files: held rows stay as they were; a file is written again once nobody holds it.
         assert m["held_rows_unchanged"] == "True" and int(m["again_rows_placed"]) > 0, way
         # The destination is handed over without waiting for the worker's answer; a worker that
         # declines it (the file it sees is not the engine side's) answers after the requests ran,
         # and the rows come back with the fetch instead, still exact.
         assert m["declined_rows_placed"] == "0" and int(m["declined_rows_captured"]) > 0, way
+        # Capture windows ("again": the last 3 prompt rows, "declined": generated rows only): rows
+        # below them were skipped in the worker, the generated window's rows are exactly those returned.
+        assert int(m["again_rows_skipped"]) > 0 and int(m["declined_rows_skipped"]) > 0, way
+        assert m["declined_rows_captured"] == m["declined_generated_rows"], way
         for label in ("gen", "again", "declined"):
             keys = sorted(k[: -len("_ids")] for k in t if k.startswith(f"{way}/{label}_") and k.endswith("_ids"))
             assert len(keys) == 4, (way, label, keys)
             for key in keys:
-                assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL)
+                first, prompt_len = t[f"{key}_first"].tolist()
+                assert first == {"gen": 0, "again": max(prompt_len - 3, 0), "declined": prompt_len}[label], key
+                assert_rows_match(str(model), t[f"{key}_ids"].tolist(), t[f"{key}_hidden"], layers, FP32_TOL,
+                                  first_row=first)
         if way == "placer":  # the first way starts without row files: two made while held, one reused after
             assert m["files_created_while_held"] == "2" and m["files_created"] == "2" and m["files_reused"] == "1"
         else:  # the second starts with the first way's files, let go: it writes into files used before

@@ -211,15 +211,16 @@ def test_n_samples_match_vllm_seeding_and_share_prompt_rows(llm, model_path):
 
 def test_requests_get_their_cached_prompt_rows_from_the_one_that_forwarded_them(llm, model_path):
     """vLLM computes a shared prompt prefix once and serves it to the other requests from its
-    prefix cache: the samples of one prompt, and prompts that share whole blocks. The worker writes
-    the forwarded rows into every request sharing them as they come, so nothing is copied from
-    the row store afterwards."""
+    prefix cache: the samples of one prompt (they share sample 0's rows), and prompts that share
+    whole blocks: the worker writes the forwarded rows into every prompt sharing them as they
+    come, so nothing is copied from the row store afterwards."""
     gen = VllmHiddenStatesGenerator(llm)
     gen.reset_hs_step_cache(reset_prefix_cache=True)
     prompts = [SHARED * 3 + "3 * 4 =", SHARED * 3 + "the mat is", "red cat"]  # 2 blocks shared
     res = gen.generate(prompts, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3))
     st = res.stats
-    assert st.prefix_cache_rows > 3 * 2 * 32 and st.rows_from_shared_prefix == st.prefix_cache_rows
+    assert st.prefix_cache_rows >= 2 * 32 and st.rows_from_shared_prefix == st.prefix_cache_rows
+    assert st.rows_shared == sum(2 * len(per[0].prompt_token_ids) for per in res.hidden_states)
     assert st.rows_from_store == 0 and st.rows_recomputed == 0 and st.rows_placed == st.rows_captured
     check_all(model_path, res)
 
@@ -353,3 +354,108 @@ def test_a_prompts_cache_salt_keeps_kv_blocks_rows_and_steps_apart(llm, model_pa
     again = run("a", other)
     assert again.stats.prefix_cache_rows > 0 and again.stats.rows_from_store > 0
     check_all(model_path, again)
+
+
+def check_window(model_path, res, window) -> int:
+    """Every sample's rows start at its window's start and equal HF's there; the generated rows and
+    the last step are the same rows for every window. Returns the rows in the windows."""
+    n = 0
+    for per in res.hidden_states:
+        for s in per:
+            p = s.prompt_len
+            first = {"all": 0, "generated": p}.get(window, max(p - window, 0) if isinstance(window, int) else -1)
+            assert s.first_row == first and s.hidden.shape[0] == len(s.token_ids) - 1 - first
+            assert_rows_match(model_path, s.token_ids, s.hidden, LAYERS, 1e-4, first_row=first)
+            assert torch.equal(s.generated_rows(), s.hidden[p - first :]) and s.generated_rows().shape[0] == len(
+                s.output_token_ids) - 1
+            assert torch.equal(s.steps[-1].hidden, s.generated_rows()) and torch.equal(s.layer(2), s.hidden[:, 1])
+            n += s.hidden.shape[0]
+    return n
+
+
+def test_capture_windows_return_exact_rows_and_never_copy_rows_outside(llm, model_path):
+    """window="generated" / k / "all" with n=3 and prompts sharing blocks: rows equal HF's inside
+    each window; the worker records only window rows (captured + skipped = forwarded; with the
+    generated window exactly the generated rows); a prefix-cache hit on the prompt needs neither
+    the row store nor a recompute for the generated window, and only window rows for k; the step
+    cache continues a candidate of a windowed call."""
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    prompts = [SHARED * 3 + "3 * 4 =", SHARED * 3 + "the mat is"]
+    sp = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=3)
+    row_bytes = len(LAYERS) * gen.hidden_size * 4
+
+    cold = gen.generate(prompts, sp, window="generated")  # nothing cached: every prompt row is skipped
+    st = cold.stats
+    generated = sum(len(s.output_token_ids) - 1 for per in cold.hidden_states for s in per)
+    assert check_window(model_path, cold, "generated") == generated == st.rows_captured
+    assert st.rows_skipped >= sum(len(per[0].prompt_token_ids) for per in cold.hidden_states)
+    assert st.tokens_forwarded == st.rows_captured + st.rows_skipped and st.bytes_to_host == st.rows_captured * row_bytes
+    assert (st.prefix_cache_rows, st.rows_from_store, st.rows_recomputed, st.rows_from_shared_prefix) == (0, 0, 0, 0)
+
+    full = gen.generate(prompts, sp)  # "all": unchanged; vLLM serves the prompts' blocks, no rows stored for them
+    st = full.stats  # skipped: the prompt rows the other samples forwarded (sample 0's are theirs)
+    assert check_window(model_path, full, "all") > 0 and st.rows_shared > 0 and st.rows_recomputed > 0
+    assert st.bytes_to_host == (st.tokens_forwarded - st.rows_skipped) * row_bytes
+
+    hit = gen.generate(prompts, sp, window="generated")  # the prompts' blocks cached: nothing to fill
+    st = hit.stats
+    assert check_window(model_path, hit, "generated") == st.rows_captured
+    assert (st.prefix_cache_rows, st.rows_from_store, st.rows_recomputed, st.recompute_requests) == (0, 0, 0, 0)
+
+    k = gen.generate(prompts, sp, window=40)  # 40 prompt rows: cached blocks among them come from the store
+    st = k.stats
+    inside = check_window(model_path, k, 40)
+    assert st.rows_from_store > 0 and st.rows_recomputed == 0 and st.rows_skipped > 0
+    assert st.rows_captured + st.rows_from_store + st.rows_from_shared_prefix + st.rows_shared == inside
+
+    starved = VllmHiddenStatesGenerator(llm, store_max_bytes=1, window=40)  # window per generator
+    st = starved.generate(prompts, sp).stats  # recomputed through the held rows, only inside the windows
+    assert st.rows_recomputed > 0 and st.rows_from_store == 0 and st.rows_skipped > 0
+    assert st.bytes_to_host == (st.tokens_forwarded - st.rows_skipped) * row_bytes
+
+    s = hit.hidden_states[0][1]
+    nxt = gen.generate([s.prompt + s.text], SamplingParams(max_tokens=4, temperature=0.0), window="generated")
+    check_window(model_path, nxt, "generated")
+    steps = nxt.hidden_states[0][0].steps
+    assert [r.text for r in steps[:-1]] == [s.text] and torch.equal(steps[0].hidden, s.generated_rows())
+    with pytest.raises(ValueError, match="window"):
+        gen.generate(prompts, sp, window="prompt")
+
+
+def test_the_samples_of_a_prompt_share_one_copy_of_its_rows(llm, model_path):
+    """n=3: sample 0 records the prompt's rows, the others only their own; every sample's prompt
+    part is a view of that one copy (equal storage), ``hidden`` is prompt part + own part and
+    equals HF's, for the window "all" and k prompt rows. A second call gets the prompt's rows from
+    the store once per prompt, not per sample; a strict call continuing sample 2 finds its block
+    across the prompt's end in the store."""
+    gen = VllmHiddenStatesGenerator(llm)
+    gen.reset_hs_step_cache(reset_prefix_cache=True)
+    prompts = [SHARED * 3 + "3 * 4 =", "red cat"]  # no block shared across the prompts
+    sp = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5)
+    row_bytes = len(LAYERS) * gen.hidden_size * 4
+    for window in ("all", 10, "all"):
+        res = gen.generate(prompts, sp, window=window)
+        st = res.stats
+        check_window(model_path, res, window)
+        held, shared = 0, 0
+        for per in res.hidden_states:
+            s0 = per[0]
+            for s in per:
+                assert s.prompt_rows.data_ptr() == s0.prompt_rows.data_ptr()
+                assert s.prompt_rows.untyped_storage().data_ptr() == s0.prompt_rows.untyped_storage().data_ptr()
+                assert s.generated_rows().data_ptr() == s.own_rows.data_ptr()
+                assert torch.equal(s.hidden, torch.cat([s.prompt_rows, s.own_rows]))
+                held += s.own_rows.shape[0] + (s.prompt_rows.shape[0] if s is s0 else 0)
+                shared += 0 if s is s0 else s.prompt_rows.shape[0]
+        assert st.rows_shared == shared > 0 and st.rows_from_shared_prefix == 0
+        if st.prefix_cache_rows == 0:  # the first call: each row recorded once, by the sample holding it
+            assert st.rows_captured == held and st.rows_recomputed == st.rows_from_store == 0
+        else:  # cached prompts: their rows from the store, once per prompt
+            assert 0 < st.rows_from_store <= sum(per[0].prompt_rows.shape[0] for per in res.hidden_states)
+        assert st.bytes_to_host == (st.tokens_forwarded - st.rows_skipped) * row_bytes
+    gen.strict = True  # a prefix-cache gap the store cannot fill would raise
+    s = res.hidden_states[0][2]
+    nxt = gen.generate([s.prompt + s.text], SamplingParams(max_tokens=4, temperature=0.0))
+    assert nxt.stats.prefix_cache_rows > 0 and nxt.stats.rows_recomputed == 0
+    check_all(model_path, nxt)

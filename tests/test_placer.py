@@ -596,3 +596,75 @@ def test_a_placement_settles_once_and_always_lets_go_of_the_file_name():
         Placement(dest, fails, lambda: unnamed.append("failed")).settle()
     assert unnamed[-1] == "failed"
     assert Placement(None).settle() is None
+
+
+@pytest.mark.parametrize("sink", ["held", "placer", "file-writer"])
+def test_rows_below_a_capture_window_are_never_recorded_nor_counted_as_missed(sink):
+    """Requests whose tags open a capture window at ``start``: a chunked prefill straddling it
+    keeps its tail, a chunk wholly below it has no rows, a prefix-cache hit starts past it, and
+    the steady decode steps (every window reached) record every row. Rows below the windows are
+    neither expected nor recorded (counted as skipped); every sink gets exactly the window rows."""
+    from uhead_vllm.adapters import ScheduledStep, StepOutputs
+    from uhead_vllm.capture.file_writer import FileWriter
+    from uhead_vllm.capture.protocol import CaptureSettings, RequestTag
+    from uhead_vllm.capture.recorder import RowRecorder
+    from uhead_vllm.capture.row_files import destination_nbytes, file_views
+
+    hidden, prompt, decode = 2, 6, 3
+    rec = RowRecorder(CaptureSettings(layers=(0,)), aux_layers=(0,), hidden_size=hidden)
+    # request -> (tag, window start, tokens already computed when first scheduled: a prefix-cache hit)
+    reqs = {"a": (0, 0, 0), "b": (1, 3, 0), "x": (None, 0, 0), "c": (2, 5, 0), "d": (3, 2, 4)}
+    capacity = prompt + decode
+    shape = (4 * capacity, 1, hidden)
+    byte_rows, marks = file_views(torch.zeros(destination_nbytes(shape, "float32"), dtype=torch.uint8), shape, "float32")
+    buffer = byte_rows[: shape[0]].view(torch.float32).view(shape)
+    marks.fill_(-1)
+    dest = RowDestination(buffer, {t: (t * capacity, capacity) for t, _, _ in reqs.values() if t is not None},
+                          tokens=marks[: shape[0]])
+    if sink != "held":
+        rec.place_into(dest, FileWriter(byte_rows, marks) if sink == "file-writer" else None)
+    done = {r: c for r, (_, _, c) in reqs.items()}
+    req_ids = list(reqs)
+    for step in range(2 + decode):
+        new = [(r, None if t is None else RequestTag(t, 0, s).to_extra_args()) for r, (t, s, _) in reqs.items()] \
+            if not step else []
+        n = {r: (min(4, prompt - done[r]) if done[r] < prompt else int(done[r] < capacity)) for r in req_ids}
+        running = [r for r in req_ids if step and n[r]]
+        rec.on_schedule(ScheduledStep(new, {r: k for r, k in n.items() if k}, set(),
+                                      new_computed={r: done[r] for r, _ in new},
+                                      running_ids=running, running_computed=[done[r] for r in running]))
+        pos = torch.cat([torch.arange(done[r], done[r] + n[r]) for r in req_ids])
+        owner = torch.cat([torch.full((n[r],), k) for k, r in enumerate(req_ids)])
+        aux = [torch.stack([pos.float() + 100 * owner] * hidden, dim=1)]
+        qsl = np.concatenate([[0], np.cumsum([n[r] for r in req_ids])]).astype(np.int32)
+        rec.on_forward(StepOutputs(req_ids, qsl, pos, (pos + 1000 * owner).to(torch.int32), aux))
+        done = {r: done[r] + n[r] for r in req_ids}
+    assert rec.tags.windows == {}  # every window reached: decode steps cost nothing more
+    rows = rec.take()
+    window = {r: range(max(s, c), prompt + decode) for r, (t, s, c) in reqs.items() if t is not None}
+    want_rows = sum(len(w) for w in window.values())
+    skipped = sum(max(0, s - c) for t, s, c in reqs.values() if t is not None)
+    assert rows.error is None and rows.num_rows == want_rows
+    assert rows.stats["rows_expected"] == rows.stats["rows_recorded"] == want_rows
+    assert rows.stats["rows_skipped"] == skipped == 3 + 5
+    assert rows.stats["bytes_to_host"] == want_rows * hidden * 4
+    for r, w in window.items():
+        t, k = reqs[r][0], req_ids.index(r)
+        if sink == "held":
+            got = sorted(rows.positions[rows.tags == t].tolist())
+            assert got == list(w), r
+            assert torch.equal(rows.hidden[rows.tags == t][:, 0, 0], rows.positions[rows.tags == t].float() + 100 * k)
+        else:
+            m = dest.tokens[t * capacity : (t + 1) * capacity].tolist()
+            assert [p for p in range(capacity) if m[p] >= 0] == list(w), r
+            assert dest.buffer[t * capacity + w[0] : t * capacity + capacity, 0, 0].tolist() == [p + 100 * k for p in w]
+
+
+def test_a_group_member_gets_no_shared_row_below_its_capture_window():
+    """Tags 1 and 2 share a 4-token prompt; tag 2's window starts at 3: of tag 1's prompt rows only
+    position 3 is written into tag 2's slot."""
+    dest = RowDestination(torch.zeros(12, 1, 1), {1: (0, 6), 2: (6, 6)}, [(4, (1, 2))], starts={2: 3})
+    place_step(dest, torch.tensor([10.0, 11, 12, 13, 14]).view(5, 1, 1), meta([0, 1, 2, 3, 4]),
+               slots([0], [6], [5], [dest.group_row[1]]))
+    assert dest.buffer.flatten().tolist() == [10, 11, 12, 13, 14, 0, 0, 0, 0, 13, 0, 0]
+    assert dest.tokens[6:].tolist() == [-1, -1, -1, -2 - 103, -1, -1]

@@ -244,8 +244,9 @@ def test_upgrade_converts_polygraph_instance_in_place(llama_llm):
 def test_hidden_states_are_exact_and_cover_every_generated_token(batch_stats, tiny_models):
     for hs, tokens in zip(batch_stats["uhead_hidden_states"], batch_stats["greedy_tokens"]):
         assert hs.output_token_ids == tokens
-        assert hs.hidden.shape[0] == len(hs.token_ids)  # compute_last_token: the last token has a row too
-        assert_rows_match(tiny_models["llama"], hs.token_ids, hs.hidden, LLAMA_LAYERS, tol=1e-4)
+        # the generated window (what the head reads), with the last token's row (compute_last_token)
+        assert hs.first_row == hs.prompt_len and hs.hidden.shape[0] == len(hs.output_token_ids)
+        assert_rows_match(tiny_models["llama"], hs.token_ids, hs.hidden, LLAMA_LAYERS, tol=1e-4, first_row=hs.first_row)
     assert batch_stats["uhead_model_identity"] == model_identity(tiny_models["llama"])
     assert all(t.shape == (len(tok), 5) for t, tok in zip(batch_stats["uhead_topk_logprobs"], batch_stats["greedy_tokens"]))
 
@@ -261,7 +262,7 @@ def test_claims_and_features_line_up_with_tokens(batch_stats, llama_adapter):
         answer = list(range(n or len(hs.output_token_ids)))
         assert [i for c in claims for i in c.aligned_token_ids] == answer
         assert seq.shape == (len(answer), 2 * 128)
-        expected = hs.hidden[hs.prompt_len + answer[0] : hs.prompt_len + answer[-1] + 1].reshape(len(answer), -1)
+        expected = hs.generated_rows()[answer[0] : answer[-1] + 1].reshape(len(answer), -1)
         assert torch.equal(seq, expected)
         for c, f in zip(claims, feats):
             assert torch.equal(f, seq[c.aligned_token_ids[0] : c.aligned_token_ids[-1] + 1])
@@ -277,7 +278,7 @@ def test_head_estimators_apply_the_saved_head(batch_stats, llama_head_dir, llama
     w = {k: v.double() for k, v in load_file(str(llama_head_dir / "weights.safetensors")).items()}
 
     def by_hand(hs, a: int, b: int) -> float:
-        rows = hs.hidden[hs.prompt_len + a : hs.prompt_len + b].reshape(b - a, -1).double()
+        rows = hs.generated_rows()[a:b].reshape(b - a, -1).double()
         z = ((rows.mean(dim=0) - w["scaler_mean"]) / w["scaler_scale"]) @ w["coef"] + w["intercept"][0]
         return float(torch.sigmoid(z))
 

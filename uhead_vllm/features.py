@@ -87,6 +87,12 @@ class FeatureRecipe:
         if self.logprob_topk < 0:
             raise ValueError(f"logprob_topk must be >= 0, got {self.logprob_topk}")
 
+    @property
+    def window(self) -> str:
+        """The capture window the recipe reads (``VllmHiddenStatesGenerator.generate(window=...)``):
+        a step's features are rows at its own generated positions, so only generated rows."""
+        return "generated"
+
     def token_dim(self, hidden_size: int) -> int:
         """Per-token feature size F = len(layers) * H + logprob_topk."""
         return len(self.layers) * hidden_size + self.logprob_topk

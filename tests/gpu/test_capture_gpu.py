@@ -112,3 +112,34 @@ def test_rows_equal_hf_with_tensor_parallel_2_and_cuda_graphs(tmp_path_factory: 
     rank 0 through the shared-memory destination; same phases and tolerance as one GPU. SmolLM2's 9
     attention heads do not split over 2 GPUs: its depth with 8 heads (``smollm2_tp``)."""
     _parity(_random_model(tmp_path_factory, "smollm2_tp"), "v2", "graphs", "aux", tmp_path, tp=2)
+
+
+@pytest.mark.parametrize("runner,mode,writes", [("v2", "graphs", "file-writer"), ("v1", "eager", "placer")])
+def test_capture_windows_and_shared_prompt_rows_on_gpu(gpu_model: Path, runner: str, mode: str, writes: str,
+                                                       tmp_path: Path) -> None:
+    """Capture windows ("all", then "generated" and 24 prompt rows prefix-cached, "generated" cold) and the samples
+    of a prompt sharing its rows, n=4, strict (tests/gpu/window_parity.py): rows inside the windows
+    equal HF's, nothing outside them crossed to the host, a cached prompt costs the generated
+    window no fill and no recompute, every sample's prompt part is sample 0's."""
+    from uhead_vllm.envs import FILE_WRITES_ENV
+
+    out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))
+    name = f"windows-{runner}-{mode}-{writes}"
+    out = out_dir / f"{name}.json"
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+           FILE_WRITES_ENV: "1" if writes == "file-writer" else "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "window_parity.py"), "--model", str(gpu_model),
+                           "--mode", mode, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    (out_dir / f"{name}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "error" not in result, result["error"]
+    assert result["runner"] == runner and result["problems"] == [], result["problems"]
+    phases = result["phases"]
+    assert phases["generated_cold"]["rows_skipped"] > 0 and phases["k24_cached"]["rows_from_store"] > 0
+    assert all(p["capture_missed_rows"] == 0 for p in phases.values()), phases
+    assert all(p["rows_shared"] > 0 for name, p in phases.items() if name != "continue_shared_sample"), phases
+    assert result["rows_checked"] > 1000
+    assert max(result["max_rel_l2_per_layer"].values()) < TOLERANCE[result["dtype"]], result["max_rel_l2_per_layer"]

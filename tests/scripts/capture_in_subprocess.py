@@ -102,6 +102,7 @@ def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[st
                 key = f"{way}/{label}_{s.prompt_index}_{s.sample_index}"
                 tensors[f"{key}_hidden"] = s.hidden.clone()
                 tensors[f"{key}_ids"] = torch.tensor(s.token_ids)
+                tensors[f"{key}_first"] = torch.tensor([s.first_row, s.prompt_len])
 
     files = shared_row_files(llm)
     created0, reused0 = files.created, files.reused
@@ -121,7 +122,9 @@ def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[st
     created_while_held = files.created - created0
     del res, res2, gen2
     gc.collect()
-    res3 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
+    # Capture windows: the last 3 prompt rows and the generated ones (the samples share the prompt).
+    res3 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8),
+                                                   window=3)
     keep(res3, "again")
     created, reused = files.created - created0, files.reused - reused0
     # A worker that cannot map the file (as on another host: the file it finds is not the engine
@@ -134,17 +137,20 @@ def generator_calls(llm, prompts: list[str], tensors: dict, way: str) -> dict[st
 
     aux.SharedDestination = ElsewhereDestination
     try:
-        res4 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8))
+        res4 = VllmHiddenStatesGenerator(llm).generate(prompts[1:], SamplingParams(n=2, max_tokens=8, temperature=0.8),
+                                                       window="generated")
     finally:
         aux.SharedDestination = ElsewhereDestination.__bases__[0]
     keep(res4, "declined")
     counters = {"rows_placed": st.rows_placed, "rows_written_on_device": st.rows_written_on_device,
                 "again_rows_written_on_device": res3.stats.rows_written_on_device,
                 "rows_captured": st.rows_captured, "rows_from_shared_prefix": st.rows_from_shared_prefix,
-                "rows_from_store": st.rows_from_store, "held_rows_unchanged": unchanged,
+                "rows_from_store": st.rows_from_store, "held_rows_unchanged": unchanged, "rows_shared": st.rows_shared,
                 "files_created_while_held": created_while_held, "files_created": created, "files_reused": reused,
                 "again_rows_placed": res3.stats.rows_placed, "declined_rows_placed": res4.stats.rows_placed,
-                "declined_rows_captured": res4.stats.rows_captured}
+                "declined_rows_captured": res4.stats.rows_captured,
+                "again_rows_skipped": res3.stats.rows_skipped, "declined_rows_skipped": res4.stats.rows_skipped,
+                "declined_generated_rows": sum(len(s.output_token_ids) - 1 for p in res4.hidden_states for s in p)}
     del res3, res4
     gc.collect()  # let go of this way's files before the next way
     return {k: str(v) for k, v in counters.items()}

@@ -27,12 +27,27 @@ class StepOutputs:
 
 @dataclass
 class ScheduledStep:
-    """What the scheduler asked of one step: new requests' capture args and tokens per request."""
+    """What the scheduler asked of one step: new requests' capture args and tokens per request.
+
+    Each scheduled request's first position this step is its count of tokens already computed
+    (:meth:`num_computed`): new requests' are read with them; running requests' stay vLLM's own
+    lists, read only when asked (a capture window not yet reached), so a steady decode step costs
+    nothing for them. vLLM counts optimistically (scheduled draft tokens count before they are
+    verified), so a count is never below the first position this step forwards.
+    """
 
     new_requests: list[tuple[str, dict | None]]  # (req_id, SamplingParams.extra_args)
     num_scheduled_tokens: dict[str, int]
     finished_req_ids: set[str]
     prompt_lens: dict[str, int] = field(default_factory=dict)  # new requests' prompt lengths
+    new_computed: dict[str, int] = field(default_factory=dict)  # new requests' tokens computed (cache hits)
+    running_ids: list[str] = field(default_factory=list)  # running requests (vLLM's list, not copied)
+    running_computed: list[int] = field(default_factory=list)  # their tokens computed, in that order
+    resumed: set[str] = field(default_factory=set)  # running requests resumed after a preemption
+
+    def num_computed(self) -> dict[str, int]:
+        """Tokens computed before this step, per scheduled request (new and running)."""
+        return {**dict(zip(self.running_ids, self.running_computed)), **self.new_computed}
 
 
 class StepListener(Protocol):
@@ -60,17 +75,24 @@ class RunnerAdapter(Protocol):
 
 
 def read_scheduled_step(scheduler_output: Any) -> ScheduledStep:
-    """The fields of vLLM's ``SchedulerOutput`` capture needs (same in both runners)."""
-    new, prompt_lens = [], {}
+    """The fields of vLLM's ``SchedulerOutput`` capture needs (same in both runners; the field
+    names are those of vLLM 0.26 and 0.32: ``NewRequestData.num_computed_tokens``,
+    ``CachedRequestData.req_ids`` / ``num_computed_tokens`` / ``resumed_req_ids``)."""
+    new, prompt_lens, computed = [], {}, {}
     for req in scheduler_output.scheduled_new_reqs:
         sp = req.sampling_params
         new.append((req.req_id, None if sp is None else sp.extra_args))
+        computed[req.req_id] = req.num_computed_tokens
         ids = getattr(req, "prompt_token_ids", None)
         if ids is not None:
             prompt_lens[req.req_id] = len(ids)
+    running = scheduler_output.scheduled_cached_reqs
     return ScheduledStep(new_requests=new,
                          num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-                         finished_req_ids=set(scheduler_output.finished_req_ids), prompt_lens=prompt_lens)
+                         finished_req_ids=set(scheduler_output.finished_req_ids), prompt_lens=prompt_lens,
+                         new_computed=computed, running_ids=running.req_ids,
+                         running_computed=running.num_computed_tokens,
+                         resumed=getattr(running, "resumed_req_ids", None) or set())
 
 
 def split_model_output(output: Any) -> list[torch.Tensor]:

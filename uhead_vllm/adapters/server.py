@@ -157,7 +157,7 @@ def install_child_tags() -> None:
         if tag is None:
             return params
         params = copy(params)  # vLLM reuses one child object when there is no seed
-        params.extra_args = {**params.extra_args, **RequestTag(tag.tag, index).to_extra_args()}
+        params.extra_args = {**params.extra_args, **RequestTag(tag.tag, index, tag.start).to_extra_args()}
         return params
 
     ParentRequest._get_child_sampling_params = child_params
@@ -185,9 +185,12 @@ class EngineTap:
         params.extra_args.pop(MARK)
         if record is None:  # checked by the handler, nothing to capture (steering only)
             return self._engine.generate(prompt, params, request_id, *args, **kwargs)
+        prompt_len = _prompt_len(prompt)
         index, tag = record.new_prompt(params.n, params.output_kind == RequestOutputKind.DELTA,
-                                       _prompt_len(prompt), params.max_tokens)
-        params.extra_args.update(RequestTag(tag, 0).to_extra_args())
+                                       prompt_len, params.max_tokens)
+        # Scoring reads the generated tokens' rows only: capture just those unless rows were asked for.
+        start = (prompt_len or 0) if record.spec.rows is None else 0
+        params.extra_args.update(RequestTag(tag, 0, start).to_extra_args())
         params.logprobs = max(params.logprobs or 0, record.logprobs_needed) if record.logprobs_needed else params.logprobs
         return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index)
 

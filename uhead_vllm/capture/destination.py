@@ -44,13 +44,16 @@ class RowDestination(GroupTables):
     group_tables.py). vLLM forwards such a prefix for one request and serves it to the others
     from its prefix cache; so a row a member forwards at a position below the limit of the deepest
     group it shares with another member is also written into that member's slot, during the
-    generation instead of as block copies after.
+    generation instead of as block copies after; never below that member's capture window
+    (``starts[tag]``: the first position whose row the request wants; its own rows below it are
+    never recorded either).
     """
 
     buffer: torch.Tensor  # [total capacity, L, H] on the host
     slots: dict[int, tuple[int, int]]
     groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # [total capacity] int32 marks (None: new, all UNWRITTEN)
+    starts: dict[int, int] = field(default_factory=dict)  # tag -> its capture window's start (absent: 0)
     byte_rows: np.ndarray = field(init=False, repr=False)  # the buffer as [rows, bytes per row] uint8
     marks: np.ndarray = field(init=False, repr=False)  # ``tokens`` as numpy
     tables: InitVar[bool] = True  # False: the engine side's view of a shared file, never written through
@@ -68,4 +71,4 @@ class RowDestination(GroupTables):
         if end > self.buffer.shape[0] or any(a < 0 or n < 0 for a, n in self.slots.values()):
             raise ValueError(f"RowDestination slots reach row {end}; the buffer has {self.buffer.shape[0]}")
         if tables:
-            self.build_group_tables(self.slots, self.groups)
+            self.build_group_tables(self.slots, self.groups, self.starts)

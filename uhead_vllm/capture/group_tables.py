@@ -27,10 +27,13 @@ class GroupTables:
     reach: np.ndarray = field(init=False, repr=False)  # [T + 1] limit of the deepest group (0: none)
     member_index: np.ndarray = field(init=False, repr=False)  # [T + 1]
     member_first: np.ndarray = field(init=False, repr=False)  # [T]
+    member_start: np.ndarray = field(init=False, repr=False)  # [T] each member's capture window start
     group_span: np.ndarray = field(init=False, repr=False)  # [G, 2] member range of each group
 
-    def build_group_tables(self, slots: dict[int, tuple[int, int]], groups: list[tuple[int, tuple[int, ...]]]) -> None:
-        """Fill the tables for ``groups`` over ``slots`` (tag -> first row, capacity); refuses
+    def build_group_tables(self, slots: dict[int, tuple[int, int]], groups: list[tuple[int, tuple[int, ...]]],
+                           starts: dict[int, int] | None = None) -> None:
+        """Fill the tables for ``groups`` over ``slots`` (tag -> first row, capacity) and ``starts``
+        (tag -> first position of its capture window; 0 where absent: no row below it is shared to it); refuses
         groups that are not laminar or whose members' slots are shorter than the group's limit."""
         ordered = sorted(groups, key=lambda g: (g[0], -len(g[1])))  # outer (shorter limit, larger) first
         chains: dict[int, list[int]] = {}
@@ -57,6 +60,7 @@ class GroupTables:
         self.member_index = np.arange(len(members) + 1, dtype=np.int64)
         self.member_index[-1] = -1
         self.member_first = np.asarray([slots[t][0] for t in members], dtype=np.int64)
+        self.member_start = np.asarray([(starts or {}).get(t, 0) for t in members], dtype=np.int64)
         self.group_span = np.zeros((len(ordered), 2), dtype=np.int64)
         for g, (_, tags) in enumerate(ordered):
             at = sorted(self.group_row[t] for t in tags)

@@ -108,7 +108,8 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, po
                   k: np.ndarray, inside: np.ndarray) -> None:
     """Prompt rows into the slots of the other members of the largest group whose limit is above
     the row's position (for two members that is the deepest group they share: the groups nest);
-    a place already holding its own request's row keeps it. Row ``r`` of the step is
+    a place already holding its own request's row keeps it, a place below its member's capture
+    window gets none. Row ``r`` of the step is
     ``rows[row_at[r]]``."""
     shared = np.flatnonzero(inside & (pos < dest.reach[k]))
     if not shared.size:  # decode steps: every position is past its prompt
@@ -122,8 +123,10 @@ def _place_shared(dest: RowDestination, rows: np.ndarray, row_at: np.ndarray, po
     member = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count - lo, count)
     src = np.repeat(shared, count)
     other = member != np.repeat(dest.member_index[k[shared]], count)  # never onto itself
-    to, src = dest.member_first[member[other]] + pos[src[other]], src[other]
-    free = dest.marks[to] < 0  # not a row its own request forwarded
+    member, src = member[other], src[other]
+    to = dest.member_first[member] + pos[src]
+    # not a row its own request forwarded, nor one below the member's capture window
+    free = (dest.marks[to] < 0) & (pos[src] >= dest.member_start[member])
     to, src = to[free], src[free]
     marks = shared_mark(tokens[src])
     source = row_at[src]

@@ -33,8 +33,7 @@ class CaptureSettings:
     steering: bool = False
 
     def __post_init__(self) -> None:
-        layers = self.layers
-        if not layers or any(not isinstance(k, int) or k < 0 for k in layers) or len(set(layers)) != len(layers):
+        if not (layers := self.layers) or any(not isinstance(k, int) or k < 0 for k in layers) or len(set(layers)) != len(layers):
             raise ValueError(f"layers must be non-negative ints without duplicates (HF indices), got {layers}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -47,8 +46,7 @@ class CaptureSettings:
         return DTYPES[self.dtype]
 
     @property
-    def num_columns(self) -> int:
-        """Columns per captured row: the layers, then the points."""
+    def num_columns(self) -> int:  # columns per captured row: the layers, then the points
         return len(self.layers) + len(self.points)
 
     def to_dict(self) -> dict:
@@ -64,25 +62,28 @@ class CaptureSettings:
 
 @dataclass(frozen=True)
 class RequestTag:
-    """Explicit identity of one sequence: the caller's tag and the sample index within its prompt."""
+    """Explicit identity of one sequence: the caller's tag, the sample index within its prompt, and
+    its capture window's ``start``: the first position whose row is recorded (0: every row)."""
 
     tag: int
     sample: int = 0
+    start: int = 0
 
     def to_extra_args(self) -> dict:
-        return {CAPTURE_KEY: {"tag": self.tag, "sample": self.sample}}
+        d = {"tag": self.tag, "sample": self.sample}
+        return {CAPTURE_KEY: {**d, "start": self.start} if self.start else d}
 
     @classmethod
     def from_extra_args(cls, extra_args: dict | None) -> "RequestTag | None":
         """The tag under :data:`CAPTURE_KEY` (None: none). ``ValueError`` for anything but a dict of
-        integers ``tag`` and ``sample`` (default 0) in [0, 2**63), the int64 they travel as: forged or damaged."""
+        integers ``tag``, ``sample`` and ``start`` (defaults 0) in [0, 2**63), the int64 they travel as."""
         if not extra_args or CAPTURE_KEY not in extra_args:
             return None
         d = extra_args[CAPTURE_KEY]
-        values: tuple[Any, ...] = (d.get("tag"), d.get("sample", 0)) if isinstance(d, dict) else (None,)
+        values: tuple[Any, ...] = (d.get("tag"), d.get("sample", 0), d.get("start", 0)) if isinstance(d, dict) else (None,)
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= cast(int, v) < 1 << 63 for v in values):
             raise ValueError(f"malformed capture tag under {CAPTURE_KEY!r}: {str(d)[:100]!r}")
-        return cls(tag=int(values[0]), sample=int(values[1]))
+        return cls(*(int(v) for v in values))
 
 
 @dataclass
@@ -105,8 +106,7 @@ class CapturedRows:
     placed_rows: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.hidden_parts, torch.Tensor):
-            self.hidden_parts = [self.hidden_parts]
+        self.hidden_parts = [self.hidden_parts] if isinstance(self.hidden_parts, torch.Tensor) else self.hidden_parts
         if not self.hidden_parts and not self.placed:
             raise ValueError("CapturedRows needs at least one (possibly empty) hidden part")
 
@@ -115,8 +115,7 @@ class CapturedRows:
         """All rows ``[R, L, H]`` in one tensor (concatenated once, then kept)."""
         if self.placed:
             raise ValueError("these rows were placed into the caller's RowDestination, not handed over")
-        if len(self.hidden_parts) > 1:
-            self.hidden_parts = [torch.cat(self.hidden_parts)]
+        self.hidden_parts = [torch.cat(self.hidden_parts)] if len(self.hidden_parts) > 1 else self.hidden_parts
         return self.hidden_parts[0]
 
     @property
@@ -151,9 +150,11 @@ class SharedDestination:
     file_bytes: int = 0  # the file's size (0: just the buffer)
     keep: tuple[str, ...] = ()  # keys of every file the engine side still maps
     device_writes: bool | None = None  # the engine side's choice of who writes rows (None: the worker's)
+    starts: dict[int, int] = field(default_factory=dict)  # tag -> its window's start (see RowDestination)
 
     def to_json(self) -> str:
-        return json.dumps({**self.__dict__, "slots": {str(t): list(s) for t, s in self.slots.items()}})
+        return json.dumps({**self.__dict__, "slots": {str(t): list(s) for t, s in self.slots.items()},
+                           "starts": {str(t): s for t, s in self.starts.items()}})
 
     @classmethod
     def from_json(cls, text: str) -> "SharedDestination":
@@ -166,7 +167,7 @@ class SharedDestination:
                    cast(tuple[int, int], tuple(int(x) for x in d.get("file_id", (0, 0)))),
                    [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())],
                    str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())),
-                   None if writes is None else bool(writes))
+                   None if writes is None else bool(writes), {int(t): int(s) for t, s in d.get("starts", {}).items()})
 
 
 def encode_rows(rows: CapturedRows) -> bytes:
@@ -185,15 +186,14 @@ def decode_rows(payload: bytes) -> CapturedRows:
     """Inverse of :func:`encode_rows`; safetensors parsing never executes code."""
     if not isinstance(payload, (bytes, bytearray)):
         raise TypeError(f"capture payload must be bytes, got {type(payload).__name__}")
-    t = st_load(bytes(payload))
-    meta = json.loads(bytes(payload[8 : 8 + int.from_bytes(payload[:8], "little")])).get("__metadata__") or {}
+    t, meta = st_load(bytes(payload)), json.loads(bytes(payload[8 : 8 + int.from_bytes(payload[:8], "little")]))
+    meta = meta.get("__metadata__") or {}
     return CapturedRows(tuple(json.loads(meta["layers"])), [t["hidden"]] if "hidden" in t else [], t["tags"],
                         t["samples"], t["positions"], t["token_ids"], t["chunk_offsets"], meta.get("error"),
                         json.loads(meta.get("stats", "{}")), "placed" in meta, int(meta.get("placed", 0)))
 
 
-def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, columns: int | None = None
-               ) -> CapturedRows:
+def empty_rows(layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype, columns: int | None = None) -> CapturedRows:
     """No rows; ``columns`` defaults to one per layer (more when points are captured)."""
     z = torch.zeros(0, dtype=torch.int64)
     hidden = torch.empty(0, len(layers) if columns is None else columns, hidden_size, dtype=dtype)

@@ -11,6 +11,9 @@ device; ``take`` waits once and returns one :class:`CapturedRows`.
 Counters say what happened, separately: forwards seen, forwards that had tagged rows scheduled,
 forwards recorded, rows scheduled for tagged requests and rows recorded. A difference between the
 last two means capture missed rows (never the prefix cache: cached tokens are not scheduled).
+Rows below a request's capture window (its tag's ``start``) are neither expected nor recorded,
+never gathered nor copied off the device: they are counted as skipped. ``bytes_to_host`` counts
+the bytes of the rows recorded, all of which leave the device.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class RowRecorder:
         self.forwards_recorded = 0
         self.rows_expected = 0  # rows of tagged requests vLLM scheduled (so computed)
         self.rows_recorded = 0
+        self.rows_skipped = 0  # rows of tagged requests scheduled below their capture window (not recorded)
+        self.bytes_to_host = 0  # bytes of the rows recorded (every sink sends them to the host)
+        self.below: dict[str, int] = {}  # this step's requests with leading rows below their window -> how many
         self.chunks_recorded = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
         self.scheduled_rows = 0  # tagged rows scheduled in the step that is running now
         self.record_seconds = 0.0  # host time the engine's thread spent in the recorder (this generation)
@@ -98,6 +104,14 @@ class RowRecorder:
             if problem is not None:
                 self.fail(problem)
         rows = self.tags.scheduled_rows(step.num_scheduled_tokens)
+        if step.resumed:
+            self.tags.resumed(step.resumed)
+        self.below = {}
+        if self.tags.windows:  # some live request's window is not reached yet (else: nothing to do)
+            self.below = self.tags.below_windows(step.num_scheduled_tokens, step.num_computed())
+            skipped = sum(self.below.values())
+            rows -= skipped
+            self.rows_skipped += skipped
         self.scheduled_rows = rows
         if rows:
             self.forwards_expected += 1
@@ -130,7 +144,7 @@ class RowRecorder:
             self.error = (f"capture points: {len(points or ())} of {len(self.settings.points)} hooks fired in "
                           "this forward (a submodule was skipped or compiled); no rows were recorded")
             return
-        layout = self._batch_facts(step.req_ids).layout(step.query_start_loc)
+        layout = self._batch_facts(step.req_ids).layout(step.query_start_loc, self.below)
         if layout is None:
             return
         n_rows = layout.n_rows
@@ -148,6 +162,7 @@ class RowRecorder:
         self._sink.record(layout, picked, positions, step.input_ids)
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
+        self.bytes_to_host += new_bytes
         self.chunks_recorded += len(layout.lens)
 
     def _batch_facts(self, req_ids: list[str]) -> BatchFacts:
@@ -187,6 +202,7 @@ class RowRecorder:
                       "forwards_replayed": sink_stats["forwards_replayed"],
                       "forwards_recorded": self.forwards_recorded, "rows_expected": self.rows_expected,
                       "rows_recorded": self.rows_recorded, "chunks_recorded": self.chunks_recorded,
+                      "rows_skipped": self.rows_skipped, "bytes_to_host": self.bytes_to_host,
                       "bytes": bytes_held,
                       "record_seconds": round(self.record_seconds, 6),
                       "place_seconds": round(sink_stats["place_seconds"], 6),
@@ -198,6 +214,7 @@ class RowRecorder:
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
         self.record_seconds = 0.0
         self.rows_expected = self.rows_recorded = self.chunks_recorded = 0
+        self.rows_skipped = self.bytes_to_host = 0
         return rows
 
     def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:

@@ -73,7 +73,7 @@ def destination_on(spec: SharedDestination, flat: torch.Tensor, tables: bool = T
     byte_rows, marks = file_views(flat, spec.shape, spec.dtype)
     rows = spec.shape[0]
     buffer = byte_rows[:rows].view(DTYPES[spec.dtype]).view(spec.shape)
-    return RowDestination(buffer, dict(spec.slots), list(spec.groups), marks[:rows], tables=tables)
+    return RowDestination(buffer, dict(spec.slots), list(spec.groups), marks[:rows], dict(spec.starts), tables=tables)
 
 
 def rows_into_file(rows: CapturedRows, spec: SharedDestination, mapped: dict[str, torch.Tensor]) -> CapturedRows:

@@ -3,7 +3,9 @@
 Per step the recorder needs, for the tagged requests with rows in the forward, their chunks (one
 per request), the slots those go to in the destination and the row ranges to gather. As numpy index
 math on per-request arrays, built once per batch and reused while vLLM repeats the batch (decode
-steps), so a steady decode step costs no Python loop over requests.
+steps), so a steady decode step costs no Python loop over requests. A chunk with rows below its
+request's capture window keeps only its rows from the window's start on (a chunk entirely below
+has none): those rows are never gathered.
 """
 
 from __future__ import annotations
@@ -50,12 +52,18 @@ class BatchFacts:
                    first=np.asarray([a for a, _ in where], dtype=np.int64),
                    capacity=np.asarray([n for _, n in where], dtype=np.int64), group_row=group_row)
 
-    def layout(self, qsl: np.ndarray) -> "StepLayout | None":
+    def layout(self, qsl: np.ndarray, below: dict[str, int] | None = None) -> "StepLayout | None":
         """Where this forward's tagged rows are (None: no tagged request has rows in it), reused
-        while the token counts per request (``qsl``, host) stay those of the last forward."""
-        key = qsl.tobytes()
+        while the token counts per request (``qsl``, host) stay those of the last forward.
+        ``below``: requests whose first rows lie below their capture window -> how many (a
+        Python loop over the tagged requests only in such steps, prefills of windowed requests)."""
+        key, skip = qsl.tobytes(), None
+        if below:
+            skip = np.fromiter((below.get(self.req_ids[i], 0) for i in self.tagged.tolist()), np.int64,
+                               len(self.tagged))
+            key += b"|" + skip.tobytes()
         if self._layout is None or self._layout.key != key:
-            self._layout = StepLayout.of(self, qsl, key)
+            self._layout = StepLayout.of(self, qsl, key, skip)
         return self._layout if self._layout.n_rows else None
 
 
@@ -77,10 +85,14 @@ class StepLayout:
         return self.slots.lens
 
     @classmethod
-    def of(cls, batch: BatchFacts, qsl: np.ndarray, key: bytes) -> "StepLayout":
-        scheduled = (qsl[batch.tagged + 1] > qsl[batch.tagged]).nonzero()[0]  # chunks with rows
+    def of(cls, batch: BatchFacts, qsl: np.ndarray, key: bytes, skip: np.ndarray | None = None) -> "StepLayout":
+        """``skip``: per tagged request, its leading rows below its capture window (None: none)."""
+        firsts = qsl[batch.tagged].astype(np.int64)
+        if skip is not None:
+            firsts = firsts + skip
+        scheduled = (qsl[batch.tagged + 1] > firsts).nonzero()[0]  # chunks with rows (in their windows)
         chunk_req = batch.tagged[scheduled]
-        starts, ends = qsl[chunk_req].astype(np.int64), qsl[chunk_req + 1].astype(np.int64)
+        starts, ends = firsts[scheduled], qsl[chunk_req + 1].astype(np.int64)
         lens = ends - starts
         rows = None if batch.group_row is None else batch.group_row[scheduled]
         return cls(key, batch.tags[scheduled], batch.samples[scheduled],

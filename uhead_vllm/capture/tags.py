@@ -7,6 +7,10 @@ so is one the engine side did not announce (while a generation writes into a des
 destination's slots are announced). A second live request with the same tag and sample keeps
 running untagged too, so the first one's rows stay its own; that one is reported with the next
 take, since it is what sampling with n>1 outside the generator does.
+
+A tag's ``start`` opens a capture window: rows at positions below it are not recorded. The book
+keeps the live requests whose window is not reached yet (usually none: then a step costs nothing
+more) and tells, per step, how many leading rows of each one's chunk lie below its start.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class TagBook:
         self._tags: dict[str, RequestTag | None] = {}
         self._untagged = 0  # live requests in ``_tags`` without a tag
         self._owner: dict[tuple[int, int], str] = {}
+        self.windows: dict[str, int] = {}  # live requests whose window start is not reached yet -> start
         self.announced: set[int] | None = None  # tags the engine side announced (None: any well-formed tag)
         self.malformed = 0  # requests whose tag did not parse (they ran untagged)
         self.unannounced = 0  # requests whose tag the engine side had not announced (they ran untagged)
@@ -39,6 +44,7 @@ class TagBook:
 
     def finished(self, req_ids: set[str]) -> None:
         for rid in req_ids:
+            self.windows.pop(rid, None)
             tag = self._tags.pop(rid, _UNKNOWN)
             if tag is None:
                 self._untagged -= 1
@@ -72,7 +78,35 @@ class TagBook:
         self._tags[req_id] = tag
         if tag is None:
             self._untagged += 1
+            self.windows.pop(req_id, None)
+        elif tag.start:
+            self.windows[req_id] = tag.start
         return problem
+
+    def resumed(self, req_ids: set[str]) -> None:
+        """Requests vLLM resumed after a preemption compute from the start again: windows reopen."""
+        for rid in req_ids:
+            tag = self._tags.get(rid)
+            if tag is not None and tag.start:
+                self.windows[rid] = tag.start
+
+    def below_windows(self, scheduled: dict[str, int], computed: dict[str, int]) -> dict[str, int]:
+        """Per request of this step with rows below its window start, how many of its leading rows
+        are (``scheduled``: tokens this step; ``computed``: tokens before it, 0 where unknown).
+        Requests whose window this step reaches leave the book's pending windows."""
+        below, reached = {}, []
+        for rid, start in self.windows.items():
+            n = scheduled.get(rid)
+            if not n:
+                continue
+            first = computed.get(rid, 0)
+            if start > first:
+                below[rid] = min(start - first, n)
+            if first + n >= start:
+                reached.append(rid)
+        for rid in reached:
+            del self.windows[rid]
+        return below
 
     def scheduled_rows(self, scheduled: dict[str, int]) -> int:
         """Rows of tagged requests among ``scheduled`` (request id -> tokens this step)."""
@@ -87,6 +121,7 @@ class TagBook:
         """Stop recording the live requests that carry one of ``tags`` (a client that went away)."""
         for rid, tag in list(self._tags.items()):
             if tag is not None and tag.tag in tags:
+                self.windows.pop(rid, None)
                 self._tags[rid] = None
                 self._untagged += 1
                 if self._owner.get((tag.tag, tag.sample)) == rid:

@@ -37,7 +37,7 @@ class RowsToComplete(Protocol):
     salt: str  # row-store key prefix
     cache_salt: str  # vLLM cache_salt of a recompute ("" = none)
     steer_args: dict  # steering of a recompute
-    need_from: int  # rows before it may stay missing (a server scoring only generated rows)
+    need_from: int  # its capture window's start: rows before it are neither filled nor recomputed
     last: bool  # the last row is the last token's: always computed, never a prefix-cache gap
     keys: list[bytes] | None  # row-store keys of its full blocks (None: computed here)
 
@@ -87,7 +87,9 @@ class Completed:
     rows_from_store: int = 0
     rows_recomputed: int = 0
     recompute_requests: int = 0
-    rows_forwarded: int = 0  # rows the recompute requests forwarded
+    rows_forwarded: int = 0  # rows the recompute requests recorded
+    rows_skipped: int = 0  # rows they forwarded below their capture windows (not recorded)
+    bytes_to_host: int = 0  # bytes of the rows they recorded
 
 
 #: Runs the requests and returns the rows captured for their tags (the caller's transport).
@@ -153,18 +155,20 @@ class RowCompletion:
         pending: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if copies else None
         for q, k, n in zip(seqs, keys, missing.tolist()):
             if n:
-                done.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k, copies=pending)
+                done.rows_from_store += self.store.fill(q.expected, q.rows, q.valid, keys=k, copies=pending,
+                                                        start=q.need_from)
         if pending:
             copy_all(pending)
 
     def _requests(self, todo: list[RowsToComplete], strict: bool) -> list[Recompute]:
-        """One request per sequence in ``todo``; reading the prefix cache is skipped where a row
-        before the last is missing (its KV may be cached, its rows are not)."""
+        """One request per sequence in ``todo``, recording only its capture window; reading the
+        prefix cache is skipped where a row of the window before the last is missing (its KV may
+        be cached, its rows are not)."""
         from vllm import SamplingParams
 
-        gaps = [not bool(q.valid[: q.num_rows - int(q.last)].all()) for q in todo]
+        gaps = [not bool(q.valid[q.need_from : q.num_rows - int(q.last)].all()) for q in todo]
         if strict and any(gaps):
-            n = sum(int((~q.valid).sum()) for q, gap in zip(todo, gaps) if gap)
+            n = sum(int((~q.valid[q.need_from :]).sum()) for q, gap in zip(todo, gaps) if gap)
             raise MissingRowsError(
                 f"strict mode: {n} rows of {sum(gaps)} sequence(s) were served from vLLM's prefix "
                 f"cache and are not in the row store (budget {self.store.max_bytes} bytes, "
@@ -177,13 +181,18 @@ class RowCompletion:
             if q.cache_salt:
                 prompt["cache_salt"] = q.cache_salt
             params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=gap,
-                                    extra_args={**RequestTag(tag, 0).to_extra_args(), **q.steer_args})
+                                    extra_args={**RequestTag(tag, 0, q.need_from).to_extra_args(), **q.steer_args})
             requests.append(Recompute(tag, prompt, params))
         return requests
 
 
 def _keys(q: RowsToComplete, store: PrefixRowStore) -> list[bytes]:
     return q.keys if q.keys is not None else store.keys(q.expected, q.num_rows, q.salt.encode())
+
+
+def missing_rows(seqs: Sequence[RowsToComplete], joint: tuple[torch.Tensor, np.ndarray] | None) -> np.ndarray:
+    """Rows of each sequence's capture window not (yet) valid (``joint``: see :meth:`RowCompletion.complete`)."""
+    return _missing(seqs, joint)
 
 
 def _missing(seqs: Sequence[RowsToComplete], joint: tuple[torch.Tensor, np.ndarray] | None,
@@ -206,6 +215,8 @@ def _place(todo: list[RowsToComplete], requests: list[Recompute], captured: Capt
     """The recomputed rows into their sequences (``todo[i]`` was sent as ``requests[i]``)."""
     before = [int(q.valid.sum()) for q in todo]
     done.rows_forwarded += captured.num_rows
+    done.rows_skipped += int(captured.stats.get("rows_skipped", 0))
+    done.bytes_to_host += int(captured.stats.get("bytes_to_host", 0))
     done.recompute_requests += len(todo)
     if captured.num_rows:
         by_tag = {r.tag: q for r, q in zip(requests, todo)}

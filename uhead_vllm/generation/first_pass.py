@@ -42,6 +42,7 @@ def request_destination(client: CaptureClient, plan: CallPlan, *, max_model_len:
     outside the generator) are dropped."""
     slots: dict[int, tuple[int, int]] = {}
     tags_of: dict[int, list[PlannedRequest]] = {}
+    starts = {r.tag: r.record_from for r in plan.requests if r.record_from}  # capture windows (none: every row)
     first = 0
     for r in plan.requests:
         new = r.params.max_tokens if r.params.max_tokens is not None else max_model_len
@@ -54,9 +55,15 @@ def request_destination(client: CaptureClient, plan: CallPlan, *, max_model_len:
     if first * row_bytes > _physical_memory() // 2:
         client.fetch()
         return Placement(None)
-    shared = prefix_groups([(rs[0].steering.salt.encode(), plan.sent_ids(i), [r.tag for r in rs])
+    # A prompt's rows go to its sample 0 only (the others share them, results.py): groups are of
+    # the prompts, sharing whole blocks or all their tokens.
+    shared = prefix_groups([(rs[0].steering.salt.encode(), plan.sent_ids(i), [rs[0].tag])
                             for i, rs in tags_of.items()], block_size)
-    return client.place_into(slots, (first, columns, hidden_size), groups_within_slots(shared, slots))
+    groups = groups_within_slots(shared, slots)
+    if starts:  # a group whose shared rows all lie below its members' windows has nothing to share
+        groups = [(limit, tags) for limit, tags in groups if limit > min(starts.get(t, 0) for t in tags)]
+        return client.place_into(slots, (first, columns, hidden_size), groups, starts)
+    return client.place_into(slots, (first, columns, hidden_size), groups)
 
 
 def check_capture_complete(captured: CapturedRows, stats: Any, strict: bool, outputs: list) -> None:

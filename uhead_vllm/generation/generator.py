@@ -21,13 +21,14 @@ from ..adapters import engine as engine_internals
 from ..capture.protocol import CapturedRows
 from ..errors import CaptureError
 from .backends import CaptureClient, open_capture_client, raise_if_engine_dead
-from .completion import Recompute, RowCompletion
+from .completion import Recompute, RowCompletion, missing_rows
 from .first_pass import check_capture_complete, place_first_pass, request_destination
-from .plan import PromptLike, Rendered, next_tag, plan_call, pretokenized, render_prompt
+from .plan import PromptLike, Rendered, Window, next_tag, plan_call, pretokenized, render_prompt, window_start
 from .prefix_store import held_bytes
 from .results import GenerationStats, HiddenStatesGeneration, SampleHiddenStates, collect
 from .sequences import occupied as occupied_bytes
 from .sequences import sequences, set_row_keys
+from .shared_prompt import shared_rows, store_straddling_blocks
 from .step_cache import StepCache
 from .steering import SteeredRequest, steer_request
 
@@ -57,6 +58,12 @@ class VllmHiddenStatesGenerator:
     ``model`` is a ``vllm.LLM`` built with :func:`uhead_vllm.capture_engine_kwargs` or an
     lm-polygraph ``WhiteboxModelvLLM`` wrapping one. Automatic prefix caching stays on. A prompt
     dict's ``cache_salt`` keeps its KV blocks, stored rows and steps apart, as vLLM's isolation.
+
+    ``window`` (also per call) chooses the rows each sample captures: ``"all"`` (every position,
+    the default), ``"generated"`` (the generated tokens' positions) or an int k (the last k prompt
+    positions, then the generated ones). Rows outside a window are never recorded nor copied off
+    the device, filled from the row store nor recomputed; a sample's ``first_row`` says where its
+    rows begin.
     """
 
     def __init__(
@@ -69,7 +76,9 @@ class VllmHiddenStatesGenerator:
         compute_last_token: bool = False,
         step_cache_max_idle: int = 2,
         progress: bool = False,
+        window: Window = "all",
     ):
+        window_start(window, 0)  # refuse a bad window here, not at the first call
         self.whitebox = model if hasattr(model, "model") and hasattr(model, "sampling_params") else None
         self.llm = self.whitebox.model if self.whitebox is not None else model
         self.client = cast(CaptureClient, open_capture_client(self.llm))  # sync face; raises on a dead engine
@@ -89,6 +98,7 @@ class VllmHiddenStatesGenerator:
         self.strict = strict
         self.enable_thinking = enable_thinking
         self.compute_last_token = compute_last_token
+        self.window = window
         self.progress = progress
         self.stats = GenerationStats()
 
@@ -111,21 +121,24 @@ class VllmHiddenStatesGenerator:
         sampling_params: Any | Sequence[Any] | None = None,
         *,
         compute_last_token: bool | None = None,
+        window: Window | None = None,
     ) -> HiddenStatesGeneration:
-        """Run vLLM once over ``prompts`` and return outputs with exact hidden states.
+        """Run vLLM once over ``prompts`` and return outputs with exact hidden states of each
+        sample's capture ``window`` (None: the generator's; see the class docstring).
 
         Thread-safe: concurrent calls on one engine (from this or any other generator) are
         serialised by the engine's lock (:func:`engine_lock`), each returning its own rows.
         """
         with engine_lock(self.llm):
             try:
-                return self._generate(prompts, sampling_params, compute_last_token)
+                return self._generate(prompts, sampling_params, compute_last_token,
+                                      self.window if window is None else window)
             except Exception as exc:
                 raise_if_engine_dead(exc)
                 raise
 
-    def _generate(self, prompts: Sequence[PromptLike], sampling_params: Any, compute_last_token: bool | None
-                  ) -> HiddenStatesGeneration:
+    def _generate(self, prompts: Sequence[PromptLike], sampling_params: Any, compute_last_token: bool | None,
+                  window: Window) -> HiddenStatesGeneration:
         from vllm import SamplingParams
 
         if isinstance(prompts, (str, dict)):
@@ -139,7 +152,7 @@ class VllmHiddenStatesGenerator:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         last = self.compute_last_token if compute_last_token is None else compute_last_token
         rendered = pretokenized(self.tokenizer, [self.render_prompt(p, i) for i, p in enumerate(prompts)])
-        plan = plan_call(prompts, rendered, params, last, self._steering)
+        plan = plan_call(prompts, rendered, params, last, self._steering, window)
 
         # First pass: the worker writes rows into place while vLLM generates (where it can).
         placement = request_destination(self.client, plan, max_model_len=self.max_model_len, columns=self.columns,
@@ -157,8 +170,10 @@ class VllmHiddenStatesGenerator:
         if captured.error:
             raise CaptureError(captured.error, outputs=request_outputs)
 
-        stats = GenerationStats(tokens_forwarded=captured.num_rows, rows_captured=captured.num_rows,
-                                rows_placed=captured.num_rows if captured.placed else 0)
+        skipped = int(captured.stats.get("rows_skipped", 0))
+        stats = GenerationStats(tokens_forwarded=captured.num_rows + skipped, rows_captured=captured.num_rows,
+                                rows_placed=captured.num_rows if captured.placed else 0, rows_skipped=skipped,
+                                bytes_to_host=int(captured.stats.get("bytes_to_host", 0)))
         check_capture_complete(captured, stats, self.strict, request_outputs)
         lens = np.fromiter((q.num_rows for q in seqs), np.int64, len(seqs))
         stats.rows_from_shared_prefix, valid = place_first_pass(
@@ -172,7 +187,9 @@ class VllmHiddenStatesGenerator:
         last_rows = [end - 1 for q, end in zip(seqs, bounds[1:].tolist()) if q.last]
         if last_rows:
             valid[last_rows] = False
-        missing_before = int((~valid).sum()) - len(last_rows)
+        # Rows of the capture windows only (a window's last row is the last token's when asked for).
+        in_windows = sum(1 for q in seqs if q.last and q.num_rows > q.need_from)
+        missing_before = int(missing_rows(seqs, (valid, bounds)).sum()) - in_windows
         stats.prefix_cache_rows = max(0, missing_before + stats.rows_from_shared_prefix - stats.capture_missed_rows)
 
         # Completion: gaps from the store, the rest recomputed in one more pass.
@@ -182,7 +199,11 @@ class VllmHiddenStatesGenerator:
                                         strict=self.strict, joint=(valid, bounds), occupied=occupied)
         stats.rows_from_store, stats.rows_recomputed = done.rows_from_store, done.rows_recomputed
         stats.recompute_requests = done.recompute_requests
-        stats.tokens_forwarded += done.rows_forwarded
+        stats.tokens_forwarded += done.rows_forwarded + done.rows_skipped
+        stats.rows_skipped += done.rows_skipped
+        stats.bytes_to_host += done.bytes_to_host
+        store_straddling_blocks(seqs, self.store)
+        stats.rows_shared = shared_rows(seqs)
         stats.store_evictions = self.store.evictions - evictions
         stats.store_stale_drops = self.store.stale_drops - stale
 

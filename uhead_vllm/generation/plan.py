@@ -3,7 +3,9 @@
 Needs the caller's prompts and sampling params, the tokenizer and the engine's steering check.
 Produces a :class:`CallPlan`: every prompt rendered once (text prompts as token ids, as vLLM
 would tokenize them), and one :class:`PlannedRequest` per sample, each with its own capture tag,
-its own one-sample ``SamplingParams`` and its cache keys (see steering.py). Nothing runs yet.
+its capture window, its own one-sample ``SamplingParams`` and its cache keys (see steering.py).
+The samples of a prompt share its rows: sample 0 records the prompt's rows (within the window),
+the others from the prompt's end on (their own part). Nothing runs yet.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from ..capture.protocol import RequestTag
 from .steering import SteeredRequest
 
 PromptLike = str | list[dict] | dict
+#: Which rows a call captures per sample: ``"all"`` (every position), ``"generated"`` (the
+#: generated tokens' positions only) or an int k (the last k prompt positions, then the generated ones).
+Window = str | int
 #: A prompt as vLLM receives it (a prompt dict) and its text (the step-cache key).
 Rendered = tuple[Any, str]
 
@@ -39,6 +44,8 @@ class PlannedRequest:
     vllm_input: Any  # the prompt dict sent (token ids and vLLM cache_salt)
     params: Any  # this request's own SamplingParams (n=1, tagged)
     steering: SteeredRequest  # its steering and cache keys
+    start: int = 0  # its capture window's start: the first position whose row the call returns
+    record_from: int = 0  # the first position whose row the worker records for it (past the prompt: shared)
 
 
 @dataclass
@@ -103,7 +110,18 @@ def pretokenized(tokenizer: Any, rendered: list[Rendered]) -> list[Rendered]:
     return out
 
 
-def tagged(sp: Any, sample: int, tag: int) -> Any:
+def window_start(window: Window, prompt_len: int) -> int:
+    """The first position a ``window`` keeps of a sequence whose prompt has ``prompt_len`` tokens."""
+    if window == "all":
+        return 0
+    if window == "generated":
+        return prompt_len
+    if isinstance(window, int) and not isinstance(window, bool) and window >= 0:
+        return max(prompt_len - window, 0)
+    raise ValueError(f"window must be 'all', 'generated' or a number k >= 0 of prompt rows, got {window!r}")
+
+
+def tagged(sp: Any, sample: int, tag: int, start: int = 0) -> Any:
     """A one-sample copy of ``sp`` carrying ``tag``. ``sp`` is already this call's private copy:
     children are shallow copies with their own ``extra_args``, as vLLM makes the children of an
     n>1 request."""
@@ -118,14 +136,16 @@ def tagged(sp: Any, sample: int, tag: int) -> Any:
         child.skip_clone = True
     if sp.seed is not None:
         child.seed = sp.seed + sample  # what vLLM does for child i of an n>1 request
-    child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample).to_extra_args()}
+    child.extra_args = {**(sp.extra_args or {}), **RequestTag(tag, sample, start).to_extra_args()}
     return child
 
 
 def plan_call(prompts: Sequence[PromptLike], rendered: list[Rendered], params: list[Any], last: bool,
-              steer: Callable[[Any, Rendered, int], SteeredRequest]) -> CallPlan:
+              steer: Callable[[Any, Rendered, int], SteeredRequest], window: Window = "all") -> CallPlan:
     """One request per sample of every prompt; ``steer(params, rendered prompt, index)`` checks a
-    prompt's steering and gives its cache keys (before anything runs)."""
+    prompt's steering and gives its cache keys (before anything runs); ``window``: the rows each
+    sample captures (:func:`window_start`, from each prompt's own length)."""
+    window_start(window, 0)  # refuse a bad window before anything runs
     requests: list[PlannedRequest] = []
     private: dict[int, Any] = {}  # one deep copy per distinct SamplingParams: the caller's stays untouched
     for i, (rendered_i, sp) in enumerate(zip(rendered, params)):
@@ -135,9 +155,12 @@ def plan_call(prompts: Sequence[PromptLike], rendered: list[Rendered], params: l
         if id(sp) not in private:
             private[id(sp)] = copy.deepcopy(sp)
         sp = private[id(sp)]
+        prompt_len = len(rendered_i[0]["prompt_token_ids"])
+        start = window_start(window, prompt_len)
         for s in range(sp.n):
             tag = next_tag()
-            child = tagged(sp, s, tag)
+            own = start if s == 0 else max(start, prompt_len)  # sample 0 holds the prompt rows for all
+            child = tagged(sp, s, tag, own)
             child.extra_args.update(request.extra_args)
-            requests.append(PlannedRequest(tag, i, s, rendered_i[1], request.vllm_input, child, request))
+            requests.append(PlannedRequest(tag, i, s, rendered_i[1], request.vllm_input, child, request, start, own))
     return CallPlan(list(prompts), rendered, requests, last)

@@ -146,6 +146,18 @@ class PrefixRowStore:
         self._evict()
         return added
 
+    def put_block(self, key: bytes, rows: torch.Tensor) -> bool:
+        """Store ``rows`` (one block of its own, ``[block_size, L, H]``) under ``key`` unless a block
+        is stored there; returns whether it was new."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return False
+        address = buffer_address(rows)
+        self._blocks[key] = (self._source(rows, address, seal=True), 0)
+        self._hold(address, _buffer_bytes(rows))
+        self._evict()
+        return True
+
     def _source(self, rows: torch.Tensor, address: int, seal: bool) -> _Source:
         source = _Source(rows, address, rows._version if seal else None)
         if not seal:
@@ -159,15 +171,21 @@ class PrefixRowStore:
         self._unsealed.clear()
 
     def fill(self, token_ids: Sequence[int], rows: torch.Tensor, valid: torch.Tensor, salt: bytes = b"",
-             keys: list[bytes] | None = None, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-        """Fill invalid rows of full blocks from the store in place; returns rows filled.
+             keys: list[bytes] | None = None, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+             start: int = 0) -> int:
+        """Fill invalid rows of full blocks from the store in place, from position ``start`` on
+        (a capture window's: rows before it stay as they are); returns rows filled.
 
         With ``copies``, whole-block copies are appended there as ``(destination, source)`` for
         the caller to run (e.g. :func:`copy_all`, several at once) before reading ``rows``."""
         n_blocks = min(len(token_ids), rows.shape[0]) // self.block_size if keys is None else len(keys)
         if n_blocks == 0:
             return 0
-        gaps = (~valid[: n_blocks * self.block_size]).view(n_blocks, self.block_size).any(1)
+        wanted = ~valid[: n_blocks * self.block_size]
+        if start > 0:
+            wanted = wanted.clone()
+            wanted[:start] = False
+        gaps = wanted.view(n_blocks, self.block_size).any(1)
         if not bool(gaps.any()):
             return 0
         last_gap = int(torch.nonzero(gaps).max())
@@ -190,7 +208,7 @@ class PrefixRowStore:
             stored = source.rows[start : start + self.block_size]
             self._blocks.move_to_end(key)
             s = slice(b * self.block_size, (b + 1) * self.block_size)
-            missing = ~valid[s]
+            missing = wanted[s]
             n = int(missing.sum())
             if n == self.block_size and copies is not None:
                 copies.append((rows[s], stored))
@@ -198,7 +216,7 @@ class PrefixRowStore:
                 rows[s].copy_(stored)
             else:
                 rows[s][missing] = stored[missing].to(rows.dtype)
-            valid[s] = True
+            valid[s] |= missing
             filled += n
         return filled
 

@@ -40,7 +40,9 @@ class Sequence:
     rows: torch.Tensor | None = None  # set by the first pass: a view of the call's row buffer
     valid: torch.Tensor | None = None  # set by the first pass
     keys: list[bytes] | None = None  # row-store keys of its full blocks
-    need_from: int = 0  # every row is needed (completion.py)
+    need_from: int = 0  # rows before it are neither captured nor completed: its window's start, for the
+    #                     samples of a prompt but the first the prompt's end (the first holds the prompt's rows)
+    first_row: int = 0  # its capture window's start
 
 
 def sequences(plan: CallPlan, request_outputs: list[Any], max_model_len: int) -> list[Sequence]:
@@ -60,7 +62,8 @@ def sequences(plan: CallPlan, request_outputs: list[Any], max_model_len: int) ->
         seqs.append(Sequence(r.prompt_index, r.sample, r.prompt, expected, ids, num_rows, ro.outputs[0], ro,
                              last=last and not full, last_row_missing=full, salt=steering.salt,
                              cache_salt=steering.cache_salt, steer_args=steering.extra_args,
-                             step_salt=steering.step_salt))
+                             step_salt=steering.step_salt, need_from=min(r.record_from, num_rows),
+                             first_row=min(r.start, num_rows)))
     return seqs
 
 
@@ -78,10 +81,11 @@ def set_row_keys(seqs: list[Sequence], store: PrefixRowStore) -> None:
 
 def occupied(seqs: list[Sequence]) -> dict[int, int]:
     """Bytes written into each of this call's row buffers (a destination buffer is allocated for
-    the longest outcomes; its pages past the rows written are never touched)."""
+    the longest outcomes; its pages past the rows written, or below a capture window, are never
+    touched)."""
     used: dict[int, int] = {}
     for q in seqs:
         assert q.rows is not None  # every sequence has its rows after the first pass
         address = buffer_address(q.rows)
-        used[address] = used.get(address, 0) + q.rows.numel() * q.rows.element_size()
+        used[address] = used.get(address, 0) + q.rows[q.need_from :].numel() * q.rows.element_size()
     return used

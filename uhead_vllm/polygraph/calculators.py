@@ -47,6 +47,9 @@ class VllmHiddenStatesCalculator(StatCalculator):
     Replaces lm-polygraph's ``GreedyProbsCalculator`` for vLLM: exact lengths, dense log-prob rows
     of the full vocabulary width, greedy decoding, no attentions or HF hidden states requested.
     ``compute_last_token`` also forwards the last sampled token so every generated token has a row.
+    ``window``: the rows captured (see ``VllmHiddenStatesGenerator``); the default ``"generated"``
+    is what the features calculator reads (a head's recipe reads only generated rows), ``"all"``
+    adds the prompt's rows for estimators of one's own.
     """
 
     @staticmethod
@@ -59,8 +62,10 @@ class VllmHiddenStatesCalculator(StatCalculator):
         compute_last_token: bool = True,
         strict: bool = False,
         store_max_bytes: int = 4 << 30,
+        window: str | int = "generated",
     ):
         super().__init__()
+        self.window = window
         self.n_alternatives = n_alternatives
         self.compute_last_token = compute_last_token
         self.strict = strict
@@ -92,7 +97,8 @@ class VllmHiddenStatesCalculator(StatCalculator):
         adapter = _adapter(model)
         gen = self.generator(adapter)
         sp = adapter.sampling_params_for(n=1, max_new_tokens=max_new_tokens, do_sample=False)
-        res = gen.generate(adapter.prompt_inputs(texts), sp, compute_last_token=self.compute_last_token)
+        res = gen.generate(adapter.prompt_inputs(texts), sp, compute_last_token=self.compute_last_token,
+                           window=self.window)
         stats: dict[str, Any] = greedy_stats(res.outputs, adapter.vocab_size, self.n_alternatives)
         k = int(sp.logprobs or 0)
         stats["uhead_hidden_states"] = [res.hidden_states[i][0] for i in range(len(texts))]
@@ -133,11 +139,12 @@ class UheadFeaturesCalculator(StatCalculator):
         return "UheadFeaturesCalculator"
 
     def _features(self, hs: SampleHiddenStates, span: StepSpan, topk: np.ndarray | None) -> torch.Tensor | None:
-        end = min(span.end, hs.hidden.shape[0] - hs.prompt_len)
+        rows = hs.generated_rows()  # any capture window
+        end = min(span.end, rows.shape[0])
         if end <= span.start:
             return None
         lp = torch.from_numpy(topk) if topk is not None else None
-        return step_token_features(hs.hidden, hs.prompt_len, StepSpan(span.start, end), self.recipe, lp, hs.layers)
+        return step_token_features(rows, 0, StepSpan(span.start, end), self.recipe, lp, hs.layers)
 
     def __call__(
         self,

@@ -97,6 +97,6 @@ def answer_questions(questions: Sequence[str], generator: Any, head: Uncertainty
     missing = [k for k in head.recipe.layers if k not in generator.layers]
     if missing:
         raise ValueError(f"the engine captures layers {list(generator.layers)}; the head needs {missing}")
-    res = generator.generate([recipe.chat(q) for q in questions], recipe.sampling_params())
+    res = generator.generate([recipe.chat(q) for q in questions], recipe.sampling_params(), window=head.recipe.window)
     return [score_generation(head, ro.outputs[0], samples[0], generator.tokenizer, recipe, q)
             for q, ro, samples in zip(questions, res.outputs, res.hidden_states)]

@@ -190,7 +190,8 @@ class CollectWorker:
         # From a cold prefix cache: a unit's numbers must not depend on which units its replica ran before.
         gen.reset_hs_step_cache(reset_prefix_cache=True)
         t0 = time.perf_counter()
-        res = gen.generate([self.recipe.chat(q) for q in questions], self.recipe.sampling_params())
+        # Heads train on generated rows only (FeatureRecipe.window): the prompts' rows are not captured.
+        res = gen.generate([self.recipe.chat(q) for q in questions], self.recipe.sampling_params(), window="generated")
         answers = [build_answer(q, output, sample, gen.tokenizer, self.recipe)
                    for q, ro, samples in zip(questions, res.outputs, res.hidden_states)
                    for output, sample in zip(ro.outputs, samples)]  # recipe.samples answers per question

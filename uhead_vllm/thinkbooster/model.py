@@ -145,7 +145,9 @@ class UHeadVLLMModel:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params(sampling_params)
-        res = self.generator.generate(list(prompts), params, compute_last_token=self.compute_last_token)
+        # Step scores read the generated tokens' rows only (FeatureRecipe.window): capture just those.
+        res = self.generator.generate(list(prompts), params, compute_last_token=self.compute_last_token,
+                                      window="generated")
         keep_rows = self.estimator.needs_hidden
         results = []
         for i, ro in enumerate(res.outputs):
@@ -153,7 +155,7 @@ class UHeadVLLMModel:
                 hs = res.hidden_states[i][s]
                 if list(co.token_ids) != hs.output_token_ids:
                     raise RuntimeError(f"prompt {i} sample {s}: hidden states belong to other tokens")
-                rows = hs.hidden[hs.prompt_len :].clone() if keep_rows else None  # frees prompt rows
+                rows = hs.generated_rows().clone() if keep_rows else None  # its own rows: the call's buffer can go
                 setattr(co, HANDLE_ATTR, CandidateHandle(
                     hs.prompt, list(hs.prompt_token_ids), list(hs.output_token_ids), hs.layers, rows,
                     co.logprobs))

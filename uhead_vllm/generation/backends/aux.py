@@ -73,14 +73,14 @@ class AuxClient:
             ) from exc
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: Sequence[tuple[int, tuple[int, ...]]] = ()) -> Placement:
+                   groups: Sequence[tuple[int, tuple[int, ...]]] = (), starts: dict[int, int] | None = None) -> Placement:
         """Drop rows recorded before (the worker's ``uhead_begin``) and give the worker a buffer of
         ``shape`` to write the next generation's rows into while it runs (``slots``: request tag ->
-        first row, capacity; ``groups``: see ``capture/destination.py``). In this process a plain
+        first row, capacity; ``groups``, ``starts``: see ``capture/destination.py``). In this process a plain
         tensor; with the engine core in another process a shared-memory file both sides map,
         handed over without waiting for the worker's reply (see :class:`Placement`). No
         destination where neither can be had (the rows then come back with ``fetch``)."""
-        return self.transport.begin(self.llm, self.settings, slots, shape, list(groups))
+        return self.transport.begin(self.llm, self.settings, slots, shape, list(groups), starts)
 
     def fetch(self) -> CapturedRows:
         """Rows recorded since the previous fetch (the worker forgets them). In this process they

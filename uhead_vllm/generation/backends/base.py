@@ -74,11 +74,11 @@ class CaptureClient(Protocol):
     settings: CaptureSettings
 
     def place_into(self, slots: dict[int, tuple[int, int]], shape: tuple[int, int, int],
-                   groups: Sequence[tuple[int, tuple[int, ...]]] = ()) -> Placement:
+                   groups: Sequence[tuple[int, tuple[int, ...]]] = (), starts: dict[int, int] | None = None) -> Placement:
         """Start a generation: drop rows recorded before it (requests made outside the generator)
         and name a buffer the worker writes this generation's rows into while it runs
-        (``slots``: request tag -> first row, capacity; ``groups``: see
-        :class:`RowDestination`); its destination is None where this backend or engine cannot
+        (``slots``: request tag -> first row, capacity; ``groups``, ``starts`` (tag -> capture
+        window start): see :class:`RowDestination`); its destination is None where this backend or engine cannot
         (the rows then come back with ``fetch``). Call ``settle`` after sending the requests."""
 
     def fetch(self) -> CapturedRows: ...

@@ -165,7 +165,7 @@ class ExtractClient:
             else:
                 time.sleep(0.005)
 
-    def place_into(self, slots: dict, shape: tuple, groups: Sequence = ()) -> Placement:
+    def place_into(self, slots: dict, shape: tuple, groups: Sequence = (), starts: dict | None = None) -> Placement:
         """Rows of this backend arrive as files after the generation: never placed while it runs;
         earlier rows are dropped."""
         self.fetch()

@@ -58,8 +58,9 @@ class InProcess:
         return lambda: results
 
     def begin(self, llm: Any, settings: CaptureSettings, slots: dict[int, tuple[int, int]],
-              shape: tuple[int, int, int], groups: list[tuple[int, tuple[int, ...]]]) -> Placement:
-        destination = RowDestination(host_buffer(shape, settings.torch_dtype), slots, list(groups))
+              shape: tuple[int, int, int], groups: list[tuple[int, tuple[int, ...]]],
+              starts: dict[int, int] | None = None) -> Placement:
+        destination = RowDestination(host_buffer(shape, settings.torch_dtype), slots, list(groups), starts=starts or {})
         placed = any(self.call(llm, "uhead_begin", destination))
         return Placement(destination if placed else None)
 
@@ -83,7 +84,8 @@ class EngineProcess:
         return sent
 
     def begin(self, llm: Any, settings: CaptureSettings, slots: dict[int, tuple[int, int]],
-              shape: tuple[int, int, int], groups: list[tuple[int, tuple[int, ...]]]) -> Placement:
+              shape: tuple[int, int, int], groups: list[tuple[int, tuple[int, ...]]],
+              starts: dict[int, int] | None = None) -> Placement:
         files = shared_row_files(llm)
         taken = files.take(destination_nbytes(shape, settings.dtype))
         if taken is None:  # no room in shared memory: the rows come back with the take
@@ -91,7 +93,7 @@ class EngineProcess:
             return Placement(None)
         row_file, flat = taken
         spec = SharedDestination(row_file.path, shape, settings.dtype, slots, row_file.file_id, list(groups),
-                                 row_file.key, row_file.nbytes, tuple(files.keys()), envs.file_writes())
+                                 row_file.key, row_file.nbytes, tuple(files.keys()), envs.file_writes(), dict(starts or {}))
         with torch.inference_mode(False):  # the row store relies on the buffer's version counter
             destination = destination_on(spec, flat, tables=False)
         destination.marks.fill(UNWRITTEN)  # a file handed out again holds an earlier call's marks

@@ -154,7 +154,7 @@ class Expander:
         # recomputed, which re-runs every prompt; steps are scored on their tokens before it, as
         # thinkbooster scores a step without its stop string. min_tokens=2 keeps that non-empty.
         res = self.gen.generate([self.prompt_ids(nd) for nd in nodes], [self._params(nd, n) for nd in nodes],
-                                compute_last_token=False)
+                                compute_last_token=False, window="generated")
         self.last_stats = res.stats
         pending: list[tuple[Candidate, CandidateStep]] = []
         for i, nd in enumerate(nodes):
@@ -168,7 +168,7 @@ class Expander:
                 finished = co.finish_reason == "stop" and not isinstance(co.stop_reason, str)
                 cand = Candidate(co.text, tuple(ids), finished)
                 self.generated_tokens += len(ids)
-                rows = hs.hidden[hs.prompt_len:]
+                rows = hs.generated_rows()
                 step = CandidateStep(ids, StepSpan(0, min(len(ids) - 1, rows.shape[0])), rows, hs.layers, co.logprobs)
                 if len(step.span) == 0:
                     raise RuntimeError(f"a {len(ids)}-token candidate has no scorable token (min_tokens=2 "
