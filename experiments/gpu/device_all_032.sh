@@ -5,6 +5,7 @@
 #   bash experiments/gpu/device_all_032.sh [STEP ...]      # default: tests faults bench grid
 # Steps (their own time limits; the sums fit a 600 s call as split in README_carry.md):
 #   tests   tests/gpu/test_serving_gpu.py: uhead-vllm serve and the plugin form on the GPU (~4 min)
+#   capture tests/gpu's other capture cases (windows, shared prompt rows, reduced inputs, kernels)
 #   faults  tests/test_serving_faults.py against GPU servers (eager: the session server steers and
 #           captures points, which only hook eager engines; ~3 min)
 #   bench   experiments.serving.bench_gpu --quick: vanilla vLLM vs uhead-vllm serve (~4.5 min)
@@ -61,6 +62,13 @@ for s in $steps; do
       mkdir -p "$LOGS/serving-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/serving-tests \
         run_step tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/gpu/test_serving_gpu.py -q -p no:cacheprovider ;;
+    capture)
+      # tests/gpu's capture cases beyond the 0.32 parity run (which passed): windows and shared prompt
+      # rows, reduced head inputs, the scatter kernel and step graphs; TP=2 needs two GPUs
+      mkdir -p "$LOGS/capture-tests"
+      UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/capture-tests VLLM_ENABLE_V1_MULTIPROCESSING=1 \
+        run_step capture "${CAPTURE_LIMIT:-300}" python3 -m pytest tests/gpu -n 4 -q -p no:cacheprovider \
+        --ignore=tests/gpu/test_serving_gpu.py -k "not rows_equal_hf_on_gpu and not tensor_parallel" ;;
     faults)
       # every test server eager (points and steering need it) and at 0.2 of the card (two live at once)
       UHEAD_TEST_SERVER_ARGS="--enforce-eager --gpu-memory-utilization 0.2" \
@@ -79,7 +87,7 @@ for s in $steps; do
         --tokenizer .gpu/tok --out "$LOGS/grid" $quick ${GRID_ARGS:-}
       cp "$LOGS"/grid/grid-*.json "$LOGS"/grid/grid-*.md "$OUT/" 2>/dev/null
       cat "$LOGS"/grid/grid-*.md 2>/dev/null ;;
-    *) echo "unknown step: $s (tests | faults | bench | bench-full | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
+    *) echo "unknown step: $s (tests | capture | faults | bench | bench-full | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
 # everything else in one archive: logs, the tests' result files (the models' folders left out)
