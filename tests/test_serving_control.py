@@ -76,7 +76,8 @@ def test_stop_above_aborts_the_choice_at_the_step_that_reaches_it(client, server
     """n=1, non-streamed and streamed: a threshold below the first step's P(wrong) ends the answer
     right after its first step, with the same first step and score as the run without it. vLLM
     ended the sequence: fewer tokens than ``max_tokens`` under ``ignore_eos``, and its scheduler
-    runs nothing right after the answer (the rest of a 400-token answer takes seconds here)."""
+    runs nothing right after the answer (an abort on the API side only would leave the engine
+    making the rest of the 400 tokens for seconds)."""
     ref = chat(client).choices[0]
     want = ref.model_extra["uncertainty"]
     assert ref.finish_reason == "length" and len(want["steps"]) >= 2, want["steps"]  # the first step completes
