@@ -1,13 +1,16 @@
-"""A real ``uhead-vllm serve`` process on localhost for the serving tests, and a tiny head for it.
+"""Real server processes on localhost for the serving tests, and a tiny head for them.
 
 ``server`` / ``client`` (fixtures, registered in conftest.py): one tiny-model server for the whole
-session, shared by test_serving.py, test_serving_faults.py and test_serving_page.py (a start is
-~50 s on a 2-core machine). Its teardown is a test too: SIGTERM with streams and a status call in
-flight must end them properly and stop every process promptly, leaving no shared memory
-(:func:`shut_down_in_flight`)."""
+session, shared by test_serving.py, test_serving_faults.py, test_serving_control.py and
+test_serving_page.py (a start is ~50 s on a 2-core machine). It is the plugin form, plain vLLM's
+own server with ``VLLM_PLUGINS=uhead_vllm``, so every serving test runs through it; the
+``uhead-vllm serve`` form starts in test_serving_faults.py and test_serving_embedded.py. Its
+teardown is a test too: SIGTERM with streams and a status call in flight must end them properly and
+stop every process promptly, leaving no shared memory (:func:`shut_down_in_flight`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -103,8 +106,6 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def get_json(self, path: str) -> dict:
-        import json
-
         with urllib.request.urlopen(self.base + path, timeout=30) as r:
             return json.loads(r.read())
 
@@ -245,15 +246,32 @@ def head_path(tiny_models, tmp_path_factory) -> Path:
     return build_tiny_head(tiny_models["llama"], tmp_path_factory.mktemp("head") / "tiny_head", HEAD_LAYERS)
 
 
+def plugin_args(model: Path, head: Path) -> list[str]:
+    """Plain vLLM's arguments for the session server: capture (fp32 rows of layers 0/2/4 and five
+    points, steering) and the head in ``--additional-config``, the rest what ``uhead-vllm serve``
+    sets on a CPU (fp32, eager, 32-token blocks, prefix caching, seed 0) with a smaller cache."""
+    config = {"uhead_vllm": {"layers": LAYERS, "dtype": "float32", "points": SERVER_POINTS, "steering": True},
+              "uhead_vllm_serve": {"head": str(head)}}
+    return ["--model", str(model), "--additional-config", json.dumps(config), "--dtype", "float32",
+            "--enforce-eager", "--block-size", "32", "--enable-prefix-caching", "--seed", "0",
+            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+            "--served-model-name", "tiny"]
+
+
+def plugin_installed() -> bool:
+    """vLLM finds plugins through entry points: the package must be installed (``pip install -e .``)."""
+    from importlib.metadata import entry_points
+
+    return "uhead_vllm" in {e.name for e in entry_points(group="vllm.general_plugins")}
+
+
 @pytest.fixture(scope="session")
 def server(tiny_models, tmp_path_factory, head_path) -> Iterator[Server]:
-    """fp32 rows of layers 0/2/4 and five capture points, steering, prefix caching, 32-token blocks.
+    """The plugin form: ``VLLM_PLUGINS=uhead_vllm`` and vLLM's own server (:func:`plugin_args`).
     Teardown: SIGTERM with streams and a status call (on a frozen engine) in flight; checked."""
+    assert plugin_installed(), "uhead_vllm's vLLM entry points are missing: run `pip install -e .` (scripts/setup.sh)"
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = Server(["--model", str(tiny_models["llama"]), "--head", str(head_path), "--layers", *map(str, LAYERS),
-                  "--capture-dtype", "float32", "--max-model-len", "512",
-                  "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
-                  "--served-model-name", "tiny", "--steering", "--points", *SERVER_POINTS], log)
+    srv = Server(plugin_args(tiny_models["llama"], head_path), log, command=VLLM_SERVE, env=PLUGIN_ENV)
     try:
         yield srv
         check_clean_end(shut_down_in_flight(srv, "sigterm"), exit_within_s=15)

@@ -1,7 +1,7 @@
-"""``uhead-vllm serve``: a real server process on localhost, the real ``openai`` client.
+"""The uncertainty server: a real server process on localhost, the real ``openai`` client.
 
-One tiny-model server (serving_server.py's fixture, shared with the page's test) serves the whole
-module (fp32 rows, layers 0/2/4 and five capture points, steering, prefix caching on, 32-token
+One tiny-model server (serving_server.py's fixture: plain vLLM with the plugin, shared with the
+other serving tests) serves the whole module (fp32 rows, layers 0/2/4 and five capture points, steering, prefix caching on, 32-token
 blocks); returned rows are checked against Hugging Face's forward on the same ids (point columns:
 HF forward hooks on the same modules).
 """
@@ -302,6 +302,7 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
     ({"rows": {"layers": [0], "points": ["mlp_out.1"]}, "max_bytes": 8 * 128 * 4}, "2 column(s)"),
     ({"head": "other"}, "unknown head"),
     ({"max_bytes": 1 << 40}, "exceeds this server's limit"),
+    ({"stop_above": 0}, "must be a number in (0, 1]"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, client, unc, needle):
     status, body = post(server, "/v1/chat/completions", {

@@ -1,4 +1,4 @@
-"""The server under attack and under careless clients: the real ``uhead-vllm serve`` process, the
+"""The server under attack and under careless clients: real server processes, the
 real ``openai`` and ``anthropic`` clients (``httpx`` for routes neither has).
 
 Every non-destructive case runs on the session server (serving_server.py), which must still

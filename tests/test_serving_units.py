@@ -101,6 +101,48 @@ def test_serve_points_option_is_checked_before_vllm_starts(tiny_models, monkeypa
         assert needle in capsys.readouterr().err
 
 
+def test_stop_above_and_keep_below_are_p_wrong_thresholds_that_need_steps():
+    spec = parse_uncertainty({"stop_above": 0.8, "keep_below": 1}, LIMITS)
+    assert (spec.stop_above, spec.keep_below) == (0.8, 1.0) and isinstance(spec.keep_below, float)
+    assert parse_uncertainty(True, LIMITS).stop_above is None and parse_uncertainty(True, LIMITS).keep_below is None
+    for key in ("stop_above", "keep_below"):
+        for bad in (0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "0.5", True, [0.5], {"p": 0.5}):
+            with pytest.raises(BadUncertaintyRequest, match=f"'uncertainty.{key}' must be a number in \\(0, 1\\]"):
+                parse_uncertainty({key: bad}, LIMITS)
+        with pytest.raises(BadUncertaintyRequest, match="needs 'steps'"):
+            parse_uncertainty({key: 0.5, "steps": False, "rows": {"layers": [0]}}, LIMITS)
+    assert RequestRecord("k", spec, 0).watches_running
+    assert not RequestRecord("k", parse_uncertainty({"keep_below": 0.5}, LIMITS), 0).watches_running
+
+
+def test_plugin_capture_settings_are_checked_like_serve_flags(tiny_models):
+    """``additional_config["uhead_vllm"]`` in the plugin form: points as strings or pairs (aliases
+    and ``:`` read), the head's layers by default; unknown keys, bad points and hooks on a compiled
+    engine are refused before vLLM builds anything."""
+    from types import SimpleNamespace
+
+    from uhead_vllm.errors import InputError
+    from uhead_vllm.serving.plugin import add_capture, plugin_capture_settings
+
+    model = str(tiny_models["llama"])
+    got = plugin_capture_settings(model, "none", {"layers": [0, 4], "points": ["pre_attn.1", ["mlp_out", 3], "mlp_in:0"],
+                                                  "steering": True, "max_bytes": 1 << 20})
+    assert got == CaptureSettings((0, 4), "bfloat16", 1 << 20, (("attn_in", 1), ("mlp_out", 3), ("mlp_in", 0)), True)
+    assert plugin_capture_settings(model, "none", None).layers == (0, 2, 4)  # --head none: 0, middle, last
+    for given, needle in [({"layerz": [0]}, "keys among"), ({"points": ["mlp_out.4"]}, "4 decoder layers"),
+                          ({"layers": [0], "dtype": "int8"}, "dtype"), ([0, 1], "must be an object")]:
+        with pytest.raises(InputError, match=needle):
+            plugin_capture_settings(model, "none", given)
+    args = SimpleNamespace(model=model, worker_extension_cls=None, enforce_eager=True,
+                           additional_config={"uhead_vllm": {"layers": [2], "points": ["mlp_out.1"]},
+                                              "uhead_vllm_serve": {"head": "none"}})
+    add_capture(args)
+    assert args.worker_extension_cls.endswith("UheadCaptureExtension")
+    assert args.additional_config["uhead_vllm"]["points"] == [["mlp_out", 1]]
+    with pytest.raises(InputError, match="--enforce-eager"):
+        add_capture(SimpleNamespace(**{**vars(args), "enforce_eager": False}))
+
+
 def _step(recorder: RowRecorder, reqs: dict[str, int], new: dict[str, dict | None]) -> None:
     recorder.on_schedule(ScheduledStep(new_requests=list(new.items()), finished_req_ids=set(),
                                        num_scheduled_tokens=reqs))

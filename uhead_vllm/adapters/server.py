@@ -5,7 +5,9 @@
    gives child i the sample index i in its capture tag (only for tagged requests).
 2. Outputs: :class:`EngineTap` stands in for the engine client of the OpenAI handlers. For a
    request marked by the uncertainty handler it gives each generate call (one per prompt) its own
-   capture tag, asks vLLM for the logprobs the head needs, and records what vLLM returns.
+   capture tag, asks vLLM for the logprobs the head needs, records what vLLM returns and lets the
+   server look at each output before the handler does (step scores while a choice runs).
+   :func:`abort_sample` ends one sequence of a running call (its siblings run on).
 3. The ``serve`` parser and server: vLLM 0.26 keeps them in ``vllm.entrypoints.openai``, 0.32 in
    ``vllm.entrypoints.launchers`` (:data:`SERVE_MODULES`).
 4. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 from copy import copy
 from types import ModuleType
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from ..capture.protocol import RequestTag
 from ..errors import ReservedKeysError
@@ -164,12 +167,21 @@ def install_child_tags() -> None:
     ParentRequest._uhead_child_tags = True
 
 
-class EngineTap:
-    """Engine client proxy: everything passes through; marked generate calls are tagged and seen."""
+#: Called with (record, prompt index, output) for each output of a marked request, before the handler sees it.
+Watch = Callable[[Any, int, Any], Awaitable[None]]
 
-    def __init__(self, engine: Any, registry: dict[str, Any]):
+
+class EngineTap:
+    """Engine client proxy: everything passes through; marked generate calls are tagged and seen.
+
+    A record that ``watches_running`` (it acts while its choices run) gets every output even when
+    the handler asked for the final one only (non-streamed requests): vLLM is asked for cumulative
+    outputs and the handler gets one final output, the n sequences gathered as vLLM would."""
+
+    def __init__(self, engine: Any, registry: dict[str, Any], watch: Watch | None = None):
         self._engine = engine
         self._registry = registry
+        self._watch = watch
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -187,21 +199,57 @@ class EngineTap:
             return self._engine.generate(prompt, params, request_id, *args, **kwargs)
         prompt_len = _prompt_len(prompt)
         index, tag = record.new_prompt(params.n, params.output_kind == RequestOutputKind.DELTA,
-                                       prompt_len, params.max_tokens)
+                                       prompt_len, params.max_tokens, request_id)
         # Scoring reads the generated tokens' rows only: capture just those unless rows were asked for.
         start = (prompt_len or 0) if record.spec.rows is None else 0
         params.extra_args.update(RequestTag(tag, 0, start).to_extra_args())
         params.logprobs = max(params.logprobs or 0, record.logprobs_needed) if record.logprobs_needed else params.logprobs
-        return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index)
+        gather = record.watches_running and params.output_kind == RequestOutputKind.FINAL_ONLY
+        if gather:
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        return self._seen(self._engine.generate(prompt, params, request_id, *args, **kwargs), record, index,
+                          self._watch, gather)
 
     @staticmethod
-    async def _seen(outputs: AsyncGenerator[Any, None], record: Any, index: int) -> AsyncIterator[Any]:
+    async def _seen(outputs: AsyncGenerator[Any, None], record: Any, index: int, watch: Watch | None,
+                    gather: bool) -> AsyncIterator[Any]:
+        latest: dict[int, Any] = {}  # gather: each sequence's newest cumulative output
         try:
             async for out in outputs:
                 record.observe(index, out)
-                yield out
+                if watch is not None:
+                    await watch(record, index, out)
+                if not gather:
+                    yield out
+                    continue
+                latest.update((o.index, o) for o in out.outputs)
+                if out.finished:
+                    final = copy(out)
+                    final.outputs = [latest[i] for i in sorted(latest)]
+                    yield final
         finally:
             await outputs.aclose()  # closing vLLM's generator aborts the request now, not at GC
+
+
+async def abort_sample(engine: Any, request_id: str, sample: int) -> bool:
+    """Abort sample ``sample`` of the running generate call ``request_id`` (the id the handler gave
+    it) in vLLM now; its other samples run on. vLLM's output processor ends it with a last output
+    (``finish_reason`` "abort") through the call's own stream. False where it had ended already.
+
+    vLLM keeps each sequence under an internal id (0.32: the call's id plus a random suffix, n>1
+    children ``f"{i}_{parent}"``), listed per call id in ``external_req_ids``; older versions use
+    the call's id itself."""
+    processor = engine.output_processor
+    mapping = getattr(processor, "external_req_ids", None)
+    candidates = list(mapping.get(request_id, ())) if mapping is not None else [request_id, f"{sample}_{request_id}"]
+    ids = [i for i in candidates if getattr(processor.request_states.get(i), "request_index", None) == sample]
+    if not ids:
+        return False
+    if "internal" in inspect.signature(engine.abort).parameters:
+        await engine.abort(ids, internal=True)
+    else:
+        await engine.abort(ids)
+    return True
 
 
 def _serve_modules() -> tuple[ModuleType, ModuleType]:

@@ -5,7 +5,9 @@ marks the request for the engine tap, lets vLLM's handler run, then adds per cho
 ``uncertainty`` object to vLLM's response: ``{answer_p_wrong, steps: [{text, token_start,
 token_end, p_wrong}], head, rows?}``. Streaming: a chunk that completes a step of a choice carries
 ``uncertainty: {steps: [that step]}`` for it; the chunk with the choice's ``finish_reason``
-carries the full object.
+carries the full object. ``stop_above``: a choice the service stopped gets ``finish_reason``
+"stop_above"; ``keep_below``: the response keeps the choices under it (:func:`keep_below`), a
+stream marks each choice's last chunk ``kept``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
             objects = [finite_scores(await service.choice_uncertainty(record, c.index)) for c in result.choices]
             service.check_rows_size(record, objects)
             for choice, obj in zip(result.choices, objects):
+                if "stopped_by" in obj:
+                    choice.finish_reason = obj["stopped_by"]
                 setattr(choice, "uncertainty", obj)
+            if spec.keep_below is not None:
+                keep_below(result, record, spec.keep_below)
         except BadUncertaintyRequest as exc:
             return handler.create_error_response(str(exc))
         finally:
@@ -89,6 +95,41 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
         return result
 
     setattr(handler, method, create)
+
+
+def passes(obj: dict, keep_below: float) -> bool:
+    """A choice's answer P(wrong) is below ``keep_below`` (no score: it does not pass)."""
+    p = obj.get("answer_p_wrong")
+    return p is not None and p < keep_below
+
+
+def keep_below(result: Any, record: RequestRecord, threshold: float) -> None:
+    """Keep the choices whose answer P(wrong) is below ``threshold``, per prompt, in their order and
+    with their indices; where none of a prompt's choices passes, keep its one with the lowest answer
+    P(wrong) (``kept: false``), so no prompt goes unanswered. The response says what was dropped."""
+    by_prompt: dict[int, list[Any]] = {}
+    for c in result.choices:
+        by_prompt.setdefault(record.locate(c.index)[0], []).append(c)
+    kept: set[int] = set()
+    for choices in by_prompt.values():
+        good = [c for c in choices if passes(c.uncertainty, threshold)]
+        for c in good:
+            c.uncertainty["kept"] = True
+        if not good:
+            best = min(choices, key=_rank)
+            best.uncertainty["kept"] = False
+            good = [best]
+        kept.update(c.index for c in good)
+    dropped = [{"index": c.index, "answer_p_wrong": c.uncertainty.get("answer_p_wrong"),
+                "finish_reason": c.finish_reason} for c in result.choices if c.index not in kept]
+    result.choices = [c for c in result.choices if c.index in kept]
+    setattr(result, "uncertainty", {"keep_below": threshold, "dropped": dropped})
+
+
+def _rank(choice: Any) -> tuple[bool, float, int]:
+    """Lowest answer P(wrong) first, unscored last, then the lower index."""
+    p = choice.uncertainty.get("answer_p_wrong")
+    return (p is None, p if p is not None else 0.0, choice.index)
 
 
 def finite_scores(obj: Any) -> Any:
@@ -146,16 +187,15 @@ async def _annotate(text: str, record: RequestRecord, service: UncertaintyServic
                     await service.fetch(record)
                     obj = finite_scores(await service.choice_uncertainty(record, idx))
                     _count_rows_sent(record, obj)
+                    if "stopped_by" in obj:
+                        choice["finish_reason"] = obj["stopped_by"]
+                    if record.spec.keep_below is not None:  # a stream cannot take text back: it says
+                        obj["kept"] = passes(obj, record.spec.keep_below)
                     choice["uncertainty"] = obj
                     touched = True
-                elif record.spec.steps and _step_may_end(choice, record, service, idx):
-                    sent = _seq(record, idx).steps_sent
-                    steps = await service.new_stream_steps(record, idx)
-                    if _seq(record, idx).steps_sent > sent:
-                        _seq(record, idx).boundary_pending = False
-                    if steps:
-                        choice["uncertainty"] = {"steps": finite_scores(steps)}
-                        touched = True
+                elif (part := _running_part(record, idx)) is not None:
+                    choice["uncertainty"] = part
+                    touched = True
             except Exception as exc:  # never break the answer stream over a score
                 logger.exception("uncertainty for choice %s failed", idx)
                 choice["uncertainty"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -178,20 +218,17 @@ def _count_rows_sent(record: RequestRecord, obj: dict) -> None:
                                 f"(prompt rows included) > max_bytes {record.spec.max_bytes}"}
 
 
-def _step_may_end(choice: dict, record: RequestRecord, service: UncertaintyService, idx: int) -> bool:
-    """Re-split a running choice only after a possible step boundary (splitting costs decodes);
-    the flag stays up until the step after the boundary has begun and was scored."""
+def _running_part(record: RequestRecord, idx: int) -> dict | None:
+    """What a mid-stream chunk of choice ``idx`` carries: the steps the tap scored since the last
+    one (:meth:`UncertaintyService.watch`), or once why scoring the running choice failed."""
     prompt_index, sample = record.locate(idx)
-    seq = record.prompts[prompt_index].seqs.get(sample) if prompt_index < len(record.prompts) else None
-    if seq is None:
-        return False
-    delta = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-    assert service.scorer is not None  # called for a request that asks for steps: the server has a head
-    if delta and service.scorer.step_boundary_possible(delta):
-        seq.boundary_pending = True
-    return seq.boundary_pending
-
-
-def _seq(record: RequestRecord, idx: int) -> Any:
-    prompt_index, sample = record.locate(idx)
-    return record.prompts[prompt_index].seqs[sample]
+    s = record.prompts[prompt_index].seqs.get(sample) if prompt_index < len(record.prompts) else None
+    if s is None:
+        return None
+    if s.pending_steps:
+        steps, s.pending_steps = s.pending_steps, []
+        return {"steps": finite_scores(steps)}
+    if s.step_error and not s.error_sent:
+        s.error_sent = True
+        return {"error": s.step_error}
+    return None

@@ -58,7 +58,7 @@ def install(state: Any) -> UncertaintyService:
         if handler is not None:
             from .handlers import wrap_handler
 
-            handler.engine_client = EngineTap(handler.engine_client, service.registry)
+            handler.engine_client = EngineTap(handler.engine_client, service.registry, service.watch)
             wrap_handler(handler, method, service)
     state.uhead_service = service
     return service

@@ -31,8 +31,13 @@ class SequenceState:
     logprobs: list[Any] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    steps_sent: int = 0  # steps whose score already went out in the stream
-    boundary_pending: bool = False  # a step may have ended: re-split on the next chunks
+    steps_scored: int = 0  # steps scored while the choice ran (streamed, or checked against stop_above)
+    pending_steps: list[dict] = field(default_factory=list)  # scored, not yet sent in a stream chunk
+    text_seen: int = 0  # characters of ``text`` already looked at for a possible step end
+    boundary_pending: bool = False  # a step may have ended: re-split on the next outputs
+    step_error: str | None = None  # scoring the running choice failed (its final object still comes)
+    error_sent: bool = False
+    stopped_step: int | None = None  # the step whose P(wrong) reached stop_above (the choice was aborted)
 
 
 @dataclass
@@ -40,6 +45,7 @@ class PromptState:
     tag: int
     n: int
     delta: bool
+    request_id: str = ""  # the id vLLM's handler gave this generate call (to abort one of its samples)
     prompt_token_ids: list[int] | None = None
     seqs: dict[int, SequenceState] = field(default_factory=dict)
     prompt_len: int = 0  # as the handler knew it before the engine answered (0: unknown)
@@ -70,8 +76,13 @@ class RequestRecord:
         self.rows_sent = 0  # bytes of rows already sent in a stream's finished choices
 
     # ------------------------------------------------------------------ engine outputs
+    @property
+    def watches_running(self) -> bool:
+        """The request acts while its choices run (``stop_above``): the tap must see every output."""
+        return self.spec.stop_above is not None
+
     def new_prompt(self, n: int, delta: bool, prompt_len: int | None = None,
-                   max_tokens: int | None = None) -> tuple[int, int]:
+                   max_tokens: int | None = None, request_id: str = "") -> tuple[int, int]:
         """Register one generate call; returns (prompt index, its tag).
 
         With the prompt's length and vLLM's ``max_tokens`` the request's rows budget is checked
@@ -87,7 +98,7 @@ class RequestRecord:
                     f"x {self.row_bytes} bytes) > max_bytes {self.spec.max_bytes}; ask for fewer layers, "
                     "points or tokens, bfloat16, or a larger max_bytes")
             self.rows_bound = bound
-        self.prompts.append(PromptState(new_tag(), n, delta, prompt_len=prompt_len or 0))
+        self.prompts.append(PromptState(new_tag(), n, delta, request_id, prompt_len=prompt_len or 0))
         return len(self.prompts) - 1, self.prompts[-1].tag
 
     def observe(self, prompt_index: int, request_output: Any) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import uuid
 from typing import Any, cast
 
 import torch
 from safetensors.torch import save as st_save
 
+from ..adapters.server import abort_sample
 from ..capture.points import site_name
 from ..capture.protocol import CapturedRows, CaptureSettings
 from ..generation.backends import AsyncCaptureClient, make_capture_client
@@ -28,6 +30,7 @@ from .scoring import Scorer
 from .spec import BadUncertaintyRequest, ServerLimits, UncertaintySpec
 
 _BACKGROUND: set[asyncio.Task] = set()
+logger = logging.getLogger("uhead_vllm.serving")
 
 
 class UncertaintyService:
@@ -47,7 +50,8 @@ class UncertaintyService:
                                    settings.points)
         self.registry: dict[str, RequestRecord] = {}
         self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
-                         "capture_errors": 0, "released_early": 0}
+                         "capture_errors": 0, "released_early": 0, "stopped_choices": 0,
+                         "aborted_choices": 0}
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, spec: UncertaintySpec, salt: str = "", steer_args: dict | None = None) -> RequestRecord:
@@ -163,31 +167,83 @@ class UncertaintyService:
                     step["features"] = vector
             out.update(scored)
             out["head"] = self.scorer.name
+            if s.stopped_step is not None and s.finish_reason == "abort":  # ended by stop_above, not on its own
+                out["stopped_by"] = "stop_above"
+                out["stop_step"] = s.stopped_step
         if spec.rows:
             prompt_ids = record.prompts[prompt_index].prompt_token_ids
             assert prompt_ids is not None  # set by the prompt's first output
             out["rows"] = self._encode_rows(rows, prompt_ids + s.token_ids, spec)
         return out
 
-    async def new_stream_steps(self, record: RequestRecord, choice_index: int) -> list[dict[str, Any]]:
-        """Scores of the steps of a running choice that completed since the last call."""
-        prompt_index, sample = record.locate(choice_index)
-        s = record.prompts[prompt_index].seqs.get(sample)
-        if s is None or not record.spec.steps:
-            return []
+    # ------------------------------------------------------------------ running choices
+    async def watch(self, record: RequestRecord, prompt_index: int, output: Any) -> None:
+        """The tap's hook, on each engine output of an uncertainty request before vLLM's handler
+        sees it: score the steps of each running sequence that this output completed (streams:
+        they go out with the chunk made from it; ``stop_above``: a step that reaches the threshold
+        aborts that sequence in vLLM now). A failure here never breaks the answer."""
+        spec = record.spec
+        p = record.prompts[prompt_index]
+        if not spec.steps or not (p.delta or spec.stop_above is not None):
+            return
+        for o in output.outputs:
+            s = p.seqs.get(o.index)
+            if s is None or s.finish_reason is not None or s.stopped_step is not None or s.step_error:
+                continue
+            try:
+                await self._score_running(record, prompt_index, o.index)
+            except Exception as exc:  # the final object scores the choice again (or says why not)
+                logger.exception("scoring running choice %s/%s failed", prompt_index, o.index)
+                s.step_error = f"{type(exc).__name__}: {exc}"
+                continue
+            if s.stopped_step is not None:
+                self.counters["stopped_choices"] += 1
+                try:
+                    if await abort_sample(self.engine, p.request_id, o.index):
+                        self.counters["aborted_choices"] += 1
+                except Exception:  # the choice runs to its end; its steps still say what happened
+                    logger.exception("aborting choice %s/%s failed", prompt_index, o.index)
+
+    async def _score_running(self, record: RequestRecord, prompt_index: int, sample: int) -> None:
+        """Score the steps of one running sequence completed since the last call (each step once);
+        re-split only after a possible step end (splitting decodes). The flag stays up until the
+        step after the end has begun and was scored."""
+        assert self.scorer is not None  # the spec refuses steps on a server without a head
+        s = record.prompts[prompt_index].seqs[sample]
+        new_text, s.text_seen = s.text[s.text_seen :], len(s.text)
+        if new_text and self.scorer.step_boundary_possible(new_text):
+            s.boundary_pending = True
+        if not s.boundary_pending:
+            return
+        before = s.steps_scored
+        steps = await self.running_steps(record, prompt_index, sample)
+        if s.steps_scored > before:
+            s.boundary_pending = False
+        s.pending_steps += steps
+        limit = record.spec.stop_above
+        if limit is not None:
+            for k, step in enumerate(steps):
+                if step["p_wrong"] is not None and step["p_wrong"] >= limit:
+                    s.stopped_step = before + k
+                    break
+
+    async def running_steps(self, record: RequestRecord, prompt_index: int, sample: int) -> list[dict[str, Any]]:
+        """Scores of the steps of a running sequence that completed since the last call: a step is
+        complete once the next has begun (its last token's row exists from then on)."""
+        s = record.prompts[prompt_index].seqs[sample]
         assert self.scorer is not None  # the spec refuses steps on a server without a head
         spans = self.scorer.final_spans(s.token_ids)
-        if len(spans) <= s.steps_sent:
+        if len(spans) <= s.steps_scored:
             return []
         await self.fetch(record)
         try:
             rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, None, False)
         except RuntimeError:
-            s.steps_sent = len(spans)  # a row is missing (e.g. preempted): the final chunk has them
+            s.steps_scored = len(spans)  # a row is missing (e.g. preempted): the final object has them
             return []
         new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)],
-                                      rows[prompt_len:, : len(self.settings.layers)], spans[s.steps_sent :])
-        s.steps_sent = len(spans)
+                                      rows[prompt_len:, : len(self.settings.layers)], spans[s.steps_scored :])
+        s.steps_scored = len(spans)
         return new
 
     def _encode_rows(self, rows: torch.Tensor, token_ids: list[int], spec: UncertaintySpec) -> dict[str, Any]:

@@ -22,7 +22,7 @@ RESERVED_XARGS_PREFIX = "uhead_"
 #: (float16 models: the square root of float16's largest value). Larger additions overflow the
 #: model's arithmetic into inf / NaN states and scores.
 MAX_STEER_NORM = 1e6
-_KEYS = {"head", "steps", "rows", "features", "max_bytes"}
+_KEYS = {"head", "steps", "rows", "features", "max_bytes", "stop_above", "keep_below"}
 _ROW_KEYS = {"layers", "points", "dtype"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -54,6 +54,8 @@ class UncertaintySpec:
     max_bytes: int = 0
     head: str | None = None
     features: bool = False  # each step's pooled head input features, for training one's own head
+    stop_above: float | None = None  # end a choice once a completed step's P(wrong) reaches this
+    keep_below: float | None = None  # return only choices whose answer P(wrong) is below this
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
     if features and not steps:
         raise BadUncertaintyRequest("'uncertainty.features' are the head's inputs per step: they need "
                                     "'steps' (and a head)")
+    stop_above = _threshold(value, "stop_above", steps)
+    keep_below = _threshold(value, "keep_below", steps)
     rows = _parse_rows(value.get("rows"), limits)
     max_bytes = value.get("max_bytes", limits.max_rows_bytes)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -111,7 +115,20 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
                                     "e.g. {\"rows\": {\"layers\": [...]}}")
     if not steps and rows is None:
         raise BadUncertaintyRequest("'uncertainty' asks for nothing: set steps to true or ask for rows")
-    return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head, features=features)
+    return UncertaintySpec(steps=steps, rows=rows, max_bytes=max_bytes, head=head, features=features,
+                           stop_above=stop_above, keep_below=keep_below)
+
+
+def _threshold(value: dict, key: str, steps: bool) -> float | None:
+    """A P(wrong) threshold in (0, 1] (``stop_above``, ``keep_below``); both act on the head's scores."""
+    x = value.get(key)
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 < x <= 1.0:  # NaN fails the range too
+        raise BadUncertaintyRequest(f"'uncertainty.{key}' must be a number in (0, 1], a P(wrong); got {x!r}")
+    if not steps:
+        raise BadUncertaintyRequest(f"'uncertainty.{key}' acts on the head's step scores: it needs 'steps' (and a head)")
+    return float(x)
 
 
 def _parse_rows(value: Any, limits: ServerLimits) -> RowsSpec | None:
