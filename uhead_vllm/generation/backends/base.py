@@ -91,9 +91,12 @@ class AsyncCaptureClient(Protocol):
     """Engine-side handle on an ``AsyncLLM``'s capture (the API server): concurrent requests each
     take the rows of their own tags."""
 
-    async def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
+    counters: dict[str, int]  # rows_in_shared_memory, rows_as_bytes
+
+    async def take_tags(self, tags: list[int], forget: bool = False, expect_rows: int = 0) -> CapturedRows:
         """The rows of ``tags`` recorded so far (other requests' rows stay in the worker); ``forget``
-        also stops recording them (a client that went away)."""
+        also stops recording them (a client that went away); ``expect_rows`` (at most that many):
+        through a shared-memory file."""
 
     async def status(self) -> dict:
         """The recording rank's status: settings, ``bytes_held``, counts of refused tags."""
