@@ -9,7 +9,7 @@ The recipe's ``pooling`` is not used here — this head pools itself.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..features import FeatureRecipe
 from ..metrics import roc_auc
 from .base import HeadMismatchError, StepsLike, UncertaintyHead, check_labels
+from .token_inputs import TokenInputs
 
 
 class AttentionPoolingNet(nn.Module):
@@ -44,8 +45,11 @@ class AttentionPoolingNet(nn.Module):
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """``x [B, t, F]``, ``pad [B, t]`` (True = padding) -> logits ``[B]``."""
-        x = (x - self.feat_mean) / self.feat_std
-        h = self.in_norm(self.in_proj(x)) + self.pos(torch.arange(x.shape[1], device=x.device))
+        return self.from_inputs(self.in_proj((x - self.feat_mean) / self.feat_std), pad)
+
+    def from_inputs(self, pre: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` from the tokens' ``in_proj`` outputs ``pre [B, t, d_model]``."""
+        h = self.in_norm(pre) + self.pos(torch.arange(pre.shape[1], device=pre.device))
         h = self.encoder(h, src_key_padding_mask=pad)
         h = h.masked_fill(pad.unsqueeze(-1), 0.0)
         weights = torch.softmax(self.scorer(h).squeeze(-1).masked_fill(pad, float("-inf")), dim=-1)
@@ -125,15 +129,18 @@ class AttentionPoolingHead(UncertaintyHead):
         train, val = train_test_split(idx, test_size=n_val, stratify=y, random_state=self.seed)
         return np.sort(train), np.sort(val)
 
-    def _logits(self, net: AttentionPoolingNet, steps: list[torch.Tensor]) -> torch.Tensor:
-        """Eval-mode logits in input order; batches are length-sorted to limit padding."""
+    def _logits(self, net: AttentionPoolingNet, steps: list[torch.Tensor],
+                run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Eval-mode logits in input order (``run``: the net, or its tail from ``in_proj`` outputs);
+        batches are length-sorted to limit padding."""
+        run = net if run is None else run
         net.eval()
         order = sorted(range(len(steps)), key=lambda i: steps[i].shape[0])
         out = torch.empty(len(steps))
         with torch.inference_mode():
             for b in range(0, len(order), self.batch_size):
                 ids = order[b : b + self.batch_size]
-                out[ids] = net(*pad_batch([steps[i] for i in ids], self.max_len))
+                out[ids] = run(*pad_batch([steps[i] for i in ids], self.max_len))
         return out
 
     def _train_epoch(self, net: AttentionPoolingNet, opt: torch.optim.Optimizer, loss_fn: nn.Module,
@@ -212,6 +219,20 @@ class AttentionPoolingHead(UncertaintyHead):
 
     def predict_proba(self, steps: StepsLike) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-self.decision_function(steps)))
+
+    def token_inputs(self) -> TokenInputs:
+        """``in_proj`` with the standardisation folded in; the network runs on the host."""
+        layers, topk = self._reads()
+        net, r = self.net_, self.n_features_in_ - topk
+        w = net.in_proj.weight.detach().double() / net.feat_std.double()
+        bias = net.in_proj.bias.detach().double() - w @ net.feat_mean.double()
+        w_lp = w[:, r:]
+
+        def finish(steps: list[torch.Tensor], lps: list[torch.Tensor]) -> np.ndarray:
+            pre = [(u.double() + lp.double() @ w_lp.T + bias).float() for u, lp in zip(steps, lps)]
+            return self._logits(net, pre, net.from_inputs).numpy().astype(np.float64)
+
+        return TokenInputs(layers, w[:, :r].float().contiguous(), topk, finish)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return dict(self.net_.state_dict())

@@ -18,7 +18,7 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from .. import envs
 from ..envs import ALLOW_OTHER_WEIGHTS_ENV
 from ..errors import HeadFormatError, HeadMismatchError
 from ..features import FeatureRecipe
+
+if TYPE_CHECKING:
+    from .token_inputs import TokenInputs
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -288,7 +291,19 @@ class UncertaintyHead(ABC):
     def _set_weights(self, weights: dict[str, torch.Tensor], n_features: int) -> None:
         """Restore learned state; raise HeadMismatchError if shapes disagree with ``n_features``."""
 
+    def token_inputs(self) -> "TokenInputs":
+        """The linear map this head applies to a token's hidden-state features, to run where the
+        rows are (heads/token_inputs.py); a head type without one raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} does not reduce its inputs per token")
+
     # --- shared behaviour ----------------------------------------------------------------------
+
+    def _reads(self) -> tuple[tuple[int, ...], int]:
+        """(recipe layers, logprob_topk): which features this fitted head reads."""
+        self._check_fitted()
+        if self.recipe is None:
+            raise ValueError("this head has no feature recipe, so which rows it reads is unknown")
+        return tuple(self.recipe.layers), self.recipe.logprob_topk
 
     def score(self, steps: StepsLike) -> np.ndarray:
         """Validity per step, 1 - P(wrong)."""

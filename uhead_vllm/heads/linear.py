@@ -17,6 +17,7 @@ from sklearn.preprocessing import StandardScaler
 
 from ..features import FeatureRecipe, Pooling, pool, pooled_dim
 from .base import HeadMismatchError, StepsLike, UncertaintyHead, check_labels
+from .token_inputs import TokenInputs, pooled_linear_inputs
 
 
 class LinearProbeHead(UncertaintyHead):
@@ -75,6 +76,11 @@ class LinearProbeHead(UncertaintyHead):
 
     def predict_proba(self, steps: StepsLike) -> np.ndarray:
         return expit(self.decision_function(steps))
+
+    def token_inputs(self) -> TokenInputs:
+        layers, topk = self._reads()
+        return pooled_linear_inputs(layers, self.n_features_in_, topk, self.pooling, self.coef_,
+                                    self.scaler_scale_, self.scaler_mean_, self.intercept_)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {

@@ -25,6 +25,7 @@ from scipy.special import expit
 
 from ..features import FeatureRecipe, Pooling, pool, pooled_dim
 from .base import HeadMismatchError, StepsLike, UncertaintyHead, check_labels
+from .token_inputs import TokenInputs, pooled_linear_inputs
 
 
 def sibling_pairs(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,6 +150,11 @@ class RankingProbeHead(UncertaintyHead):
 
     def predict_proba(self, steps: StepsLike) -> np.ndarray:
         return expit(self.decision_function(steps))
+
+    def token_inputs(self) -> TokenInputs:
+        layers, topk = self._reads()
+        return pooled_linear_inputs(layers, self.n_features_in_, topk, self.pooling, self.coef_,
+                                    self.scaler_scale_, self.scaler_mean_, self.intercept_, sign=-1.0)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {
