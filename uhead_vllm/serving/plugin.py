@@ -9,8 +9,9 @@ them in vLLM's own allowlist ``VLLM_PLUGINS`` (endpoint plugins load only when n
 - ``vllm.endpoint_plugins`` -> :class:`UncertaintyEndpoints`: the uncertainty middleware on vLLM's
   app (scores in the OpenAI responses, the web page, ``/uhead/status``, ``/uhead/info``).
 
-The server's own options (head directory or ``none``, byte limits) travel in
-``--additional-config '{"uhead_vllm_serve": {...}}'`` as with the three-flag form. The defaults are
+The server's own options (head directory or ``none``, byte limits, ``"scores_on_device": true`` as
+``uhead-vllm serve --scores-on-device``) travel in ``--additional-config '{"uhead_vllm_serve": {...}}'``
+as with the three-flag form. The defaults are
 vLLM's, on every platform; ``uhead-vllm serve`` adds the platform-aware ones.
 """
 
@@ -54,8 +55,9 @@ def add_capture(engine_args: Any) -> None:
     engine_args.worker_extension_cls = EXTENSION_QUALNAME
     extra = dict(engine_args.additional_config or {})
     if CAPTURE_KEY not in extra:
-        head = (extra.get(SERVE_KEY) or {}).get("head")
-        extra[CAPTURE_KEY] = capture_settings(str(engine_args.model), head, None).to_dict()
+        serve = extra.get(SERVE_KEY) or {}
+        extra[CAPTURE_KEY] = capture_settings(str(engine_args.model), serve.get("head"), None,
+                                              scores_on_device=bool(serve.get("scores_on_device", False))).to_dict()
     engine_args.additional_config = extra
 
 
