@@ -42,6 +42,9 @@ def install(state: Any) -> UncertaintyService:
     if streams > 1:  # `uhead-vllm serve` refuses before vLLM starts; this is for plain `vllm serve`
         raise NotImplementedError(MULTI_STREAM_REFUSAL.format(streams=streams))
     cfg = extra.get(SERVE_KEY, {}) or {}
+    if cfg.get("scores_on_device") and not settings.token_inputs:
+        raise ValueError("scores_on_device needs the engine's capture settings to carry the head's token inputs: "
+                         "leave additional_config['uhead_vllm'] unset (the plugin or `uhead-vllm serve` writes it)")
     engine = state.engine_client
     # Every route's requests meet the gate; the server's own (the tap's, the recompute's) are minted.
     install_engine_gate(engine, reserved_keys)
