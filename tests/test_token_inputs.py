@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from reference import hf_rows
+from uhead_vllm.capture.protocol import CaptureSettings
 from uhead_vllm.features import FeatureRecipe, StepSpan, step_token_features
 from uhead_vllm.heads import AttentionPoolingHead, LinearProbeHead, RankingProbeHead, UncertaintyHead
 
@@ -138,6 +139,15 @@ def test_a_scores_on_device_server_refuses_rows_and_builds_its_settings(steps, t
     assert settings.layers == tuple(LAYERS) and settings.num_columns == 1 and settings.dtype == "float32"
     layers, weight = load_weight(settings.token_inputs)
     assert layers == tuple(LAYERS) and torch.equal(weight, head.token_inputs().weight)
+    from types import SimpleNamespace
+
+    from uhead_vllm.serving.plugin import add_capture
+
+    args = SimpleNamespace(model=model, worker_extension_cls=None,  # the plugin's config key, as vLLM's EngineArgs
+                           additional_config={"uhead_vllm_serve": {"head": str(tmp_path / "head"), "scores_on_device": True}})
+    add_capture(args)
+    plugin = CaptureSettings.from_dict(args.additional_config["uhead_vllm"])
+    assert plugin.layers == tuple(LAYERS) and load_weight(plugin.token_inputs)[0] == tuple(LAYERS)
     with pytest.raises(InputError, match="drop --layers"):
         capture_settings(model, str(tmp_path / "head"), [1, 3], scores_on_device=True)
     with pytest.raises(InputError, match="needs a head"):
