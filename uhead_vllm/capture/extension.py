@@ -96,7 +96,9 @@ def _install(runner: Any) -> None:
     if vm.tp_rank() != 0:
         return  # the residual stream is replicated across TP ranks: rank 0 alone records
     # A multi-stream model's row holds every stream of a layer side by side: [S * H] per column.
-    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=vm.hidden_size(runner) * streams)
+    width = vm.hidden_size(runner) * streams
+    weight = _token_weight(settings, width, vm.device_of(runner)) if settings.token_inputs else None
+    recorder = RowRecorder(settings=settings, aux_layers=aux_layers, hidden_size=width, weight=weight)
     setattr(runner, _STATE_ATTR, recorder)
     setattr(runner, _ROUTE_ATTR, ("aux" if use_aux else "layer_hooks", adapter.NAME))
     if sublayers is not None:
@@ -110,6 +112,21 @@ def _install(runner: Any) -> None:
     else:
         assert spec is not None  # spec_for(arch) above: read with layer hooks
         _attach_hooks(runner, adapter, model, layers, spec.stream, recorder, aux_layers)
+
+
+def _token_weight(settings: CaptureSettings, width: int, device: torch.device) -> torch.Tensor:
+    """The head's token-inputs weight ``[D, L * H]`` (heads/token_inputs.py) on the runner's device,
+    loaded once; refused unless it reads exactly the captured layers, in their order, at this width."""
+    from .token_weight import load_weight
+
+    layers, weight = load_weight(settings.token_inputs)
+    if layers != tuple(settings.layers):
+        raise ValueError(f"token_inputs {settings.token_inputs}: the weight reads layers {list(layers)}, the "
+                         f"engine captures {list(settings.layers)}; capture exactly the head's layers, in its order")
+    if weight.shape[1] != len(layers) * width:
+        raise ValueError(f"token_inputs {settings.token_inputs}: the weight reads {weight.shape[1]} values per token, "
+                         f"this model's rows have {len(layers)} x {width}")
+    return weight.to(device)
 
 
 def _prepare_streams(model: torch.nn.Module, arch: str, settings: CaptureSettings, streams: int) -> None:

@@ -1,7 +1,6 @@
-"""The one typed interface between the worker side (inside vLLM) and the engine side: plain data.
-Settings travel as JSON in ``additional_config``, request tags as a small dict in ``extra_args``,
-a shared row file as its JSON description (row_files.py maps it), captured rows as safetensors
-bytes: nothing is ever pickled, so a payload from another process is decoded safely."""
+"""The one typed interface between the worker side (inside vLLM) and the engine side: plain data. Settings travel
+as JSON in ``additional_config``, request tags as a small dict in ``extra_args``, a shared row file as its JSON
+description (row_files.py maps it), captured rows as safetensors bytes: nothing is ever pickled."""
 
 from __future__ import annotations
 
@@ -22,15 +21,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  #: storage dtyp
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """What the worker records: HF ``output_hidden_states`` layer indices (k = the residual stream after
-    decoder layer k-1, 0 = embeddings), storage dtype, budget; optionally ``(point, decoder layer)``
-    sites (:mod:`.points`, columns after the layers) and whether requests may steer (both hooks)."""
+    """What the worker records: HF ``output_hidden_states`` layer indices (k = the residual stream after decoder layer
+    k-1, 0 = embeddings), storage dtype, budget; optionally ``(point, decoder layer)`` sites (:mod:`.points`, columns
+    after the layers), whether requests may steer (both hooks) and ``token_inputs``, a head's weight file
+    (heads/token_inputs.py): each row is then reduced on the device to the head's D inputs, one float32 column."""
 
     layers: tuple[int, ...]
     dtype: str = "float32"
     max_bytes: int = 4 << 30
     points: tuple[Site, ...] = ()
     steering: bool = False
+    token_inputs: str = ""
 
     def __post_init__(self) -> None:
         if not (layers := self.layers) or any(not isinstance(k, int) or k < 0 for k in layers) or len(set(layers)) != len(layers):
@@ -40,24 +41,26 @@ class CaptureSettings:
         if self.max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         object.__setattr__(self, "points", parse_sites(self.points))
+        if self.token_inputs and (self.points or self.dtype != "float32"):
+            raise ValueError("token_inputs reduce the layers' rows to a head's float32 inputs: no points, dtype float32")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     @property
-    def num_columns(self) -> int:  # columns per captured row: the layers, then the points
-        return len(self.layers) + len(self.points)
+    def num_columns(self) -> int:  # columns per captured row: the layers, then the points (token_inputs: one)
+        return 1 if self.token_inputs else len(self.layers) + len(self.points)
 
     def to_dict(self) -> dict:
         return {"layers": list(self.layers), "dtype": self.dtype, "max_bytes": self.max_bytes,
-                "points": [list(s) for s in self.points], "steering": self.steering}
+                "points": [list(s) for s in self.points], "steering": self.steering, "token_inputs": self.token_inputs}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CaptureSettings":
         return cls(layers=tuple(int(k) for k in d["layers"]), dtype=d.get("dtype", "float32"),
                    max_bytes=int(d.get("max_bytes", 4 << 30)), steering=bool(d.get("steering", False)),
-                   points=tuple((str(p), int(k)) for p, k in d.get("points", ())))
+                   points=tuple((str(p), int(k)) for p, k in d.get("points", ())), token_inputs=str(d.get("token_inputs", "")))
 
 
 @dataclass(frozen=True)
@@ -161,22 +164,19 @@ class SharedDestination:
         d = json.loads(text)
         if d.get("dtype") not in DTYPES or len(d.get("shape", ())) != 3:
             raise ValueError(f"not a shared row destination: {text[:200]!r}")
-        writes = d.get("device_writes")
         return cls(str(d["path"]), cast(tuple[int, int, int], tuple(int(x) for x in d["shape"])), d["dtype"],
                    {int(t): (int(a), int(n)) for t, (a, n) in d["slots"].items()},
                    cast(tuple[int, int], tuple(int(x) for x in d.get("file_id", (0, 0)))),
                    [(int(limit), tuple(int(t) for t in tags)) for limit, tags in d.get("groups", ())],
                    str(d.get("key", "")), int(d.get("file_bytes", 0)), tuple(str(k) for k in d.get("keep", ())),
-                   None if writes is None else bool(writes), {int(t): int(s) for t, s in d.get("starts", {}).items()})
+                   None if (w := d.get("device_writes")) is None else bool(w),
+                   {int(t): int(s) for t, s in d.get("starts", {}).items()})
 
 
 def encode_rows(rows: CapturedRows) -> bytes:
     """Safetensors bytes, layers, error and stats as JSON metadata (placed rows: only their count)."""
-    meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats)}
-    if rows.error:
-        meta["error"] = rows.error
-    if rows.placed:
-        meta["placed"] = str(rows.placed_rows)
+    meta = {"layers": json.dumps(list(rows.layers)), "stats": json.dumps(rows.stats),
+            **({"error": rows.error} if rows.error else {}), **({"placed": str(rows.placed_rows)} if rows.placed else {})}
     tensors = {"tags": rows.tags, "samples": rows.samples, "positions": rows.positions, "token_ids": rows.token_ids,
                "chunk_offsets": rows.chunk_offsets, **({} if rows.placed else {"hidden": rows.hidden.contiguous()})}
     return st_save(tensors, metadata=meta)

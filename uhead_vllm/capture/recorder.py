@@ -14,6 +14,10 @@ last two means capture missed rows (never the prefix cache: cached tokens are no
 Rows below a request's capture window (its tag's ``start``) are neither expected nor recorded,
 never gathered nor copied off the device: they are counted as skipped. ``bytes_to_host`` counts
 the bytes of the rows recorded, all of which leave the device.
+
+With a head's token-inputs weight ``[D, L * H]`` (settings' ``token_inputs``) the forward's columns
+are reduced on the device to the head's ``D`` inputs per token before any sink sees them: every
+sink then handles one float32 column of width ``D`` (the recorder's ``hidden_size``), unchanged.
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ from .tags import TagBook
 class RowRecorder:
     """Records the tagged rows of every forward until the engine side takes them."""
 
-    def __init__(self, settings: CaptureSettings, aux_layers: tuple[int, ...], hidden_size: int) -> None:
+    def __init__(self, settings: CaptureSettings, aux_layers: tuple[int, ...], hidden_size: int,
+                 weight: torch.Tensor | None = None) -> None:
         self.settings = settings
         self.aux_layers = aux_layers  # the layers the model emits, sorted (vLLM sorts them)
-        self.hidden_size = hidden_size
+        self.weight = weight  # [D, L * H] float32 on the runner's device: rows are reduced to D inputs
+        self.hidden_size = hidden_size if weight is None else int(weight.shape[0])  # width of one column
+        self._reduced: torch.Tensor | None = None  # the reduced rows' buffer (a stable address for step graphs)
         self._select = [aux_layers.index(k) for k in settings.layers]  # requested order in the aux outputs
         self.tags = TagBook()
         self.error: str | None = None  # reported with the next take (the first one wins)
@@ -60,10 +67,10 @@ class RowRecorder:
         self._batch: BatchFacts | None = None  # the last forward's batch facts (None: rebuild)
         copies = CopyStream()
         placer, staging = Placer(), HostStaging(copies)
-        self.held = HeldRows(settings, hidden_size, copies)
+        self.held = HeldRows(settings, self.hidden_size, copies)
         # Each way of placing keeps its sink (buffers and step graphs), so calls alternating ways stay warm.
-        self.host_placer = HostPlacerSink(settings, hidden_size, placer, staging)
-        self.device_writer = DeviceFileSink(settings, hidden_size, placer, staging)
+        self.host_placer = HostPlacerSink(settings, self.hidden_size, placer, staging)
+        self.device_writer = DeviceFileSink(settings, self.hidden_size, placer, staging)
         self._sink: Sink = self.held
         self._last_placing: HostPlacerSink | None = None
 
@@ -158,12 +165,26 @@ class RowRecorder:
             self._sink.discard()
             return
         picked = [source[j] for j in self._select] + list(points or ())
+        if self.weight is not None:
+            picked = [self._reduce(picked)]
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
         self._sink.record(layout, picked, positions, step.input_ids)
         self.forwards_recorded += 1
         self.rows_recorded += n_rows
         self.bytes_to_host += new_bytes
         self.chunks_recorded += len(layout.lens)
+
+    def _reduce(self, picked: list[torch.Tensor]) -> torch.Tensor:
+        """``[T, D]`` float32: the forward's rows (the layers in settings order) times the weight, on
+        the device, into one buffer reused forward after forward (sinks copy rows out, as they do
+        the engine's own outputs, before the next forward overwrites them)."""
+        x = torch.cat(picked, -1).to(torch.float32)
+        weight, n = self.weight, x.shape[0]
+        assert weight is not None
+        buf = self._reduced
+        if buf is None or buf.shape[0] < n or buf.device != x.device:
+            buf = self._reduced = torch.empty(max(n, 256), weight.shape[0], dtype=torch.float32, device=x.device)
+        return torch.mm(x, weight.T, out=buf[:n])
 
     def _batch_facts(self, req_ids: list[str]) -> BatchFacts:
         """This forward's per-request facts, reused while the batch stays the same."""

@@ -31,12 +31,14 @@ SMALL_CPU_ENGINE: Mapping[str, Any] = {
 def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
               capture_dtype: str = "float32", max_capture_bytes: int = 4 << 30,
               backend: str = "aux", capture_dir: str | None = None, points: Iterable[Any] = (),
-              steering: bool = False, **llm_kwargs: Any):
+              steering: bool = False, token_inputs: str = "", **llm_kwargs: Any):
     """``vllm.LLM`` for ``model`` with capture of ``layers`` installed (prefix caching stays on).
 
     ``points`` (``[("mlp_out", 1), ...]``) adds columns for sites inside decoder layers after the
     layers' columns; ``steering=True`` lets requests steer. Both need ``enforce_eager=True`` and
-    the ``aux`` backend (docs/capture_points.md).
+    the ``aux`` backend (docs/capture_points.md). ``token_inputs`` (a head's ``TokenInputs.save``
+    file reading exactly ``layers``) makes the worker reduce rows to the head's inputs on the device
+    (``aux`` backend, ``capture_dtype`` float32; see :func:`uhead_vllm.capture_engine_kwargs`).
 
     ``backend`` names an entry of :data:`uhead_vllm.generation.backends.BACKENDS`: ``"aux"``
     (default; worker extension, exact with CUDA graphs) or ``"extract"`` (vLLM's
@@ -57,7 +59,7 @@ def build_llm(model: str, layers: Iterable[int], *, dtype: str = "float32",
     refuse_multi_stream(model, dtype, backend)
     kwargs = get_backend(backend).engine_kwargs(layers, capture_dtype=capture_dtype,
                                                 max_capture_bytes=max_capture_bytes, capture_dir=capture_dir,
-                                                points=points, steering=steering)
+                                                points=points, steering=steering, token_inputs=token_inputs)
     extra = llm_kwargs.pop("additional_config", None) or {}
     if extra:
         kwargs["additional_config"] = {**kwargs.get("additional_config", {}), **extra}

@@ -89,8 +89,13 @@ class VllmHiddenStatesGenerator:
         self.block_size = engine_internals.block_size(self.llm)
         self.max_model_len = engine_internals.max_model_len(self.llm)
         self.streams = engine_internals.residual_streams(self.llm)
-        # Width of one column of a row: a multi-stream model's streams side by side (S * H).
-        self.hidden_size = engine_internals.hidden_size(self.llm) * self.streams
+        # A model state's width: a multi-stream model's streams side by side (S * H).
+        self.model_width = engine_internals.hidden_size(self.llm) * self.streams
+        # Width of one column of a row: the model's, or where the worker reduces rows to a head's
+        # inputs (token_inputs) one column of D, as the worker reports it.
+        self.reduced = bool(getattr(self.client.settings, "token_inputs", ""))
+        self.columns = 1 if self.reduced else self.columns
+        self.hidden_size = int(cast(Any, self.client).status()["hidden_size"]) if self.reduced else self.model_width
         self.num_decoder_layers = engine_internals.num_decoder_layers(self.llm)  # read once, not per prompt
         self.completion = RowCompletion(self.block_size, store_max_bytes, next_tag)
         self.store = self.completion.store
@@ -111,7 +116,7 @@ class VllmHiddenStatesGenerator:
         """Prompt ``index``'s request with its steering checked and its cache keys (see steering.py)."""
         return steer_request(sp.extra_args, rendered[0], rendered[1], index=index,
                              engine_steers=bool(getattr(self.client.settings, "steering", False)),
-                             num_layers=self.num_decoder_layers, hidden_size=self.hidden_size,
+                             num_layers=self.num_decoder_layers, hidden_size=self.model_width,
                              tokenize=lambda text: self.tokenizer(text)["input_ids"])
 
     # ------------------------------------------------------------------ main entry
@@ -207,7 +212,7 @@ class VllmHiddenStatesGenerator:
         stats.store_evictions = self.store.evictions - evictions
         stats.store_stale_drops = self.store.stale_drops - stale
 
-        result = collect(plan, seqs, self.step_cache, stats, self.layers, self.points, self.streams)
+        result = collect(plan, seqs, self.step_cache, stats, self.layers, self.points, self.streams, self.reduced)
         # The store already counts its buffers; only the step cache's are looked up tensor by tensor.
         stored = self.store.buffer_sizes()
         stats.held_bytes = held_bytes(self.step_cache.tensors(), {**occupied, **stored}, also=stored)

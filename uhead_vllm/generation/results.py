@@ -77,6 +77,9 @@ class SampleHiddenStates:
     with the generator's prefix row store and step cache. Editing them in place is safe but not
     free: the store notices (the buffer's version counter) and recomputes those rows when a later
     call needs them. Clone first to edit rows without that cost.
+
+    ``reduced``: the engine was built with a head's ``token_inputs``, so ``hidden`` is ``[rows, 1, D]``
+    float32: the head's reduced inputs, not hidden states (``layer`` and ``point`` refuse).
     """
 
     prompt_index: int
@@ -93,12 +96,14 @@ class SampleHiddenStates:
     points: tuple[tuple[str, int], ...] = ()  # (point, decoder layer) of the columns after the layers
     streams: int = 1  # parallel residual streams per token (DeepSeek-V4 mHC: hc_mult)
     first_row: int = 0  # position of ``hidden[0]`` (the capture window's start)
+    reduced: bool = False  # rows are a head's reduced inputs [rows, 1, D], not hidden states
     _hidden: torch.Tensor | None = field(default=None, repr=False)  # the window's rows in one tensor, once built
 
     @property
     def hidden(self) -> torch.Tensor:
         """The window's rows ``[rows, L, H]`` in one tensor: ``prompt_rows`` then ``own_rows`` (built
-        once, on the first ask, where the prompt rows are another sample's)."""
+        once, on the first ask, where the prompt rows are another sample's). With ``reduced``:
+        ``[rows, 1, D]``, the head's reduced inputs, not hidden states."""
         if self._hidden is None:
             self._hidden = torch.cat([self.prompt_rows, self.own_rows])
         return self._hidden
@@ -114,6 +119,7 @@ class SampleHiddenStates:
     def layer(self, k: int) -> torch.Tensor:
         """Rows of HF hidden-state index ``k`` as ``[rows, H]`` (from ``first_row`` on); ``[rows, S, H]`` (every stream, HF's
         layout) for a model of ``S > 1`` residual streams."""
+        self._refuse_reduced(f"layer({k})")
         if k not in self.layers:
             raise KeyError(f"layer {k} was not captured; captured layers: {self.layers}")
         rows = self._column(self.layers.index(k))
@@ -122,10 +128,16 @@ class SampleHiddenStates:
     def point(self, name: str, layer: int) -> torch.Tensor:
         """Rows of capture point ``name`` (e.g. ``"mlp_out"``) of decoder layer ``layer`` as ``[rows, H]``
         (from ``first_row`` on)."""
+        self._refuse_reduced(f"point({name!r}, {layer})")
         site = (ALIASES.get(name, name), int(layer))
         if site not in self.points:
             raise KeyError(f"point {name}.{layer} was not captured; captured points: {list(self.points)}")
         return self._column(len(self.layers) + self.points.index(site))
+
+    def _refuse_reduced(self, what: str) -> None:
+        if self.reduced:
+            raise ValueError(f"{what}: this engine reduces rows to a head's inputs on the device (token_inputs), "
+                             "so hidden is [rows, 1, D], not hidden states; build it without token_inputs for layers")
 
     def _column(self, j: int) -> torch.Tensor:
         """Column ``j`` of every row: a view once ``hidden`` exists, else only this column joined."""
@@ -147,7 +159,7 @@ class HiddenStatesGeneration:
 
 
 def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: GenerationStats, layers: tuple[int, ...],
-            points: tuple[tuple[str, int], ...], streams: int) -> HiddenStatesGeneration:
+            points: tuple[tuple[str, int], ...], streams: int, reduced: bool = False) -> HiddenStatesGeneration:
     """The call's result: per prompt one merged vLLM output and every sample's rows, each sample
     linked to the steps of the trajectory it continues (looked up for the whole call first, so
     candidates of this call never parent each other). ``seqs``: the call's completed
@@ -179,7 +191,7 @@ def collect(plan: Any, seqs: list[Any], step_cache: StepCache, stats: Generation
             prompt_index=i, sample_index=q.sample, prompt=q.prompt, prompt_token_ids=prompt_ids,
             output_token_ids=list(q.output.token_ids), text=q.output.text, layers=layers,
             prompt_rows=rep.rows[f:p], own_rows=q.rows[p:], last_row_missing=q.last_row_missing, points=points,
-            streams=streams, first_row=f, _hidden=q.rows[f:] if rep is q else None,
+            streams=streams, first_row=f, reduced=reduced, _hidden=q.rows[f:] if rep is q else None,
         )
         record = StepRecord(text=q.output.text, token_ids=sample.output_token_ids,
                             hidden=q.rows[len(prompt_ids):])  # a view; compacted if continued

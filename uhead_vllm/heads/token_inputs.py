@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..capture.token_weight import save_weight
 from ..features import Pooling
 
 #: Finishes the logits of a batch of steps from their reduced inputs ``[t, D]`` and logprob features ``[t, k]``.
@@ -69,6 +70,11 @@ class TokenInputs:
         if any(lp.shape[0] != u.shape[0] for u, lp in zip(steps, lps)):
             raise ValueError("each step's logprob features need one row per token")
         return self.finish(steps, lps)
+
+    def save(self, path: str) -> None:
+        """Write the weight and its layers as safetensors, the file a capturing worker loads
+        (``CaptureSettings.token_inputs``)."""
+        save_weight(path, self.layers, self.weight)
 
 
 def pooled_linear_inputs(layers: Sequence[int], n_features: int, logprob_topk: int, pooling: Pooling,

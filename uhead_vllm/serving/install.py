@@ -42,13 +42,18 @@ def install(state: Any) -> UncertaintyService:
     if streams > 1:  # `uhead-vllm serve` refuses before vLLM starts; this is for plain `vllm serve`
         raise NotImplementedError(MULTI_STREAM_REFUSAL.format(streams=streams))
     cfg = extra.get(SERVE_KEY, {}) or {}
+    if cfg.get("scores_on_device") and not settings.token_inputs:
+        raise ValueError("scores_on_device needs the engine's capture settings to carry the head's token inputs: "
+                         "leave additional_config['uhead_vllm'] unset (the plugin or `uhead-vllm serve` writes it)")
     engine = state.engine_client
     # Every route's requests meet the gate; the server's own (the tap's, the recompute's) are minted.
     install_engine_gate(engine, reserved_keys)
     end_requests_when_engine_stops(engine)  # running requests must not hold a stopping server open
-    scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings.layers)
+    scorer = _scorer(cfg, vllm_config.model_config.model, engine.get_tokenizer(), settings)
+    # Rows are the model's states, or the head's D inputs where the worker reduces them (--scores-on-device).
+    width = scorer.inputs_width if scorer is not None and scorer.reduced else vllm_config.model_config.get_hidden_size()
     service = UncertaintyService(
-        TrustedEngine(engine), scorer, settings, vllm_config.model_config.get_hidden_size(), vllm_config.cache_config.block_size,
+        TrustedEngine(engine), scorer, settings, width, vllm_config.cache_config.block_size,
         int(cfg.get("max_rows_bytes", DEFAULT_MAX_ROWS_BYTES)), int(cfg.get("store_bytes", DEFAULT_STORE_BYTES)),
         vllm_config.model_config.get_total_num_hidden_layers())
     install_child_tags()
@@ -64,17 +69,27 @@ def install(state: Any) -> UncertaintyService:
     return service
 
 
-def _scorer(cfg: dict, model_path: str, tokenizer: Any, layers: tuple[int, ...]) -> Any:
+def _scorer(cfg: dict, model_path: str, tokenizer: Any, settings: CaptureSettings) -> Any:
     import torch
 
+    from ..capture.token_weight import load_weight
     from ..heads import default_head_dir, load_head_for_model
     from .scoring import Scorer
 
     head_dir = cfg.get("head")
     if head_dir == "none":
+        if settings.token_inputs:
+            raise ValueError("the engine reduces rows to a head's inputs (token_inputs): serve that head, not --head none")
         return None
     path = Path(head_dir).expanduser() if head_dir else default_head_dir()
     head = load_head_for_model(path, model_path, allow_other_weights=bool(cfg.get("allow_other_weights", False)))
     torch.set_num_threads(int(cfg.get("head_threads", 1)))  # the engine core needs the cores
     name = cfg.get("head_name") or ("default" if path.resolve() == default_head_dir().resolve() else path.name)
-    return Scorer(head, name, tokenizer, layers)
+    inputs = None
+    if settings.token_inputs:  # the worker reduces rows with this file's weight: it must be this head's
+        inputs = head.token_inputs()
+        layers, weight = load_weight(settings.token_inputs)
+        if layers != inputs.layers or not torch.equal(weight, inputs.weight):
+            raise ValueError(f"token_inputs {settings.token_inputs} is not the served head's ({path}): start the "
+                             "server with --scores-on-device, which writes the head's own")
+    return Scorer(head, name, tokenizer, settings.layers, inputs)

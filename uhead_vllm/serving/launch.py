@@ -10,9 +10,11 @@ KV cache). Prefix caching is on and the seed 0 on both.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
+import tempfile
 from typing import Sequence
 
 from ..capture.points import Site, parse_sites
@@ -57,6 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "uncertainty.rows.points; eager engines")
     p.add_argument("--steering", action="store_true",
                    help="let requests steer (a 'steer' field: vectors added at named points; eager engines)")
+    p.add_argument("--scores-on-device", action="store_true",
+                   help="reduce each token's rows to the head's inputs inside the worker (D numbers per token, "
+                        "not layers x hidden): scores only, requests for rows or features get 400")
 
 
 def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]:
@@ -64,12 +69,13 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
     from ..models import model_identity, resolve_model
 
     path = resolve_model(args.model, args.model_cache)
+    on_device = bool(getattr(args, "scores_on_device", False))
     serve = {"max_rows_bytes": args.max_rows_bytes, "store_bytes": args.row_store_bytes,
-             "allow_other_weights": args.allow_other_weights}
+             "allow_other_weights": args.allow_other_weights, **({"scores_on_device": True} if on_device else {})}
     if args.head:
         serve["head"] = args.head if args.head == "none" else os.path.abspath(os.path.expanduser(args.head))
     settings = capture_settings(str(path), serve.get("head"), args.layers, args.capture_dtype,
-                                getattr(args, "points", None) or [], bool(getattr(args, "steering", False)))
+                                getattr(args, "points", None) or [], bool(getattr(args, "steering", False)), on_device)
     argv = ["--model", str(path), "--worker-extension-cls", EXTENSION_QUALNAME,
             "--additional-config", json.dumps({CAPTURE_KEY: settings.to_dict(), SERVE_KEY: serve}),
             "--middleware", MIDDLEWARE]
@@ -84,18 +90,51 @@ def vllm_argv(args: argparse.Namespace, passthrough: Sequence[str]) -> list[str]
 
 
 def capture_settings(model: str, head: str | None, layers: Sequence[int] | None, capture_dtype: str = "bfloat16",
-                     points: Sequence[str] = (), steering: bool = False) -> CaptureSettings:
+                     points: Sequence[str] = (), steering: bool = False, scores_on_device: bool = False) -> CaptureSettings:
     """What the server's engine captures for ``model``: ``layers``, else the head's (``head``: a
     directory, None for the shipped head, ``none`` for rows only: layer 0, the middle and the last).
-    Refuses models of several residual streams before vLLM starts."""
+    ``scores_on_device``: the head's layers, reduced in the worker by its token inputs (written to
+    a temporary file now, removed when this process exits). Refuses models of several residual
+    streams before vLLM starts."""
     streams, cfg = config_streams(model)
     if streams > 1:
         raise InputError(MULTI_STREAM_REFUSAL.format(streams=streams))
     if not cfg:
         raise InputError(f"{model}: no config.json (uhead_vllm serves a local Hugging Face model folder)")
     num_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])
+    if scores_on_device:
+        return _reduced_settings(model, head, layers, points, steering)
     layers = list(layers or _default_layers(head, num_layers))
     return CaptureSettings(tuple(layers), capture_dtype, points=parse_points(points, num_layers), steering=steering)
+
+
+def _reduced_settings(model: str, head: str | None, layers: Sequence[int] | None, points: Sequence[str],
+                      steering: bool) -> CaptureSettings:
+    """The served head's layers with its token inputs: ``--scores-on-device``."""
+    if head == "none" or points:
+        raise InputError("--scores-on-device reduces rows to the served head's inputs: it needs a head "
+                         "(not --head none) and no --points")
+    from ..heads import default_head_dir, load_head
+
+    loaded = load_head(default_head_dir() if head is None else os.path.expanduser(head))
+    try:
+        inputs = loaded.token_inputs()
+    except NotImplementedError as exc:
+        raise InputError(f"--scores-on-device: {exc}") from None
+    if layers and tuple(layers) != inputs.layers:
+        raise InputError(f"--scores-on-device captures the head's layers {list(inputs.layers)}: drop --layers")
+    fd, path = tempfile.mkstemp(prefix="uhead-token-inputs-", suffix=".safetensors")
+    os.close(fd)
+    atexit.register(_remove, path)
+    inputs.save(path)
+    return CaptureSettings(inputs.layers, "float32", steering=steering, token_inputs=path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def parse_points(values: Sequence[str], num_layers: int) -> tuple[Site, ...]:

@@ -138,7 +138,8 @@ async def _info(service: Any) -> Any:
     scorer = service.scorer
     info = {"head": service.limits.head_name, "captured_layers": list(service.settings.layers),
             "captured_points": [site_name(s) for s in service.settings.points],
-            "hidden_size": service.hidden_size, "max_rows_bytes": service.limits.max_rows_bytes}
+            "hidden_size": service.hidden_size, "max_rows_bytes": service.limits.max_rows_bytes,
+            "scores_on_device": service.limits.reduced}  # rows are the head's inputs (hidden_size: their D)
     if scorer is not None:
         chat = scorer.recipe.chat("{question}")
         info.update(prompt_template=chat[-1]["content"], max_tokens=scorer.recipe.max_tokens,

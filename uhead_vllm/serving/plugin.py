@@ -9,8 +9,9 @@ them in vLLM's own allowlist ``VLLM_PLUGINS`` (endpoint plugins load only when n
 - ``vllm.endpoint_plugins`` -> :class:`UncertaintyEndpoints`: the uncertainty middleware on vLLM's
   app (scores in the OpenAI responses, the web page, ``/uhead/status``, ``/uhead/info``).
 
-The server's own options (head directory or ``none``, byte limits) travel in
-``--additional-config '{"uhead_vllm_serve": {...}}'`` as with the three-flag form. The defaults are
+The server's own options (head directory or ``none``, byte limits, ``"scores_on_device": true`` as
+``uhead-vllm serve --scores-on-device``) travel in ``--additional-config '{"uhead_vllm_serve": {...}}'``
+as with the three-flag form. The defaults are
 vLLM's, on every platform; ``uhead-vllm serve`` adds the platform-aware ones.
 """
 
@@ -59,8 +60,16 @@ def add_capture(engine_args: Any) -> None:
                          f"this server was given {ext}")
     engine_args.worker_extension_cls = EXTENSION_QUALNAME
     extra = dict(engine_args.additional_config or {})
-    head = (extra.get(SERVE_KEY) or {}).get("head")
-    settings = plugin_capture_settings(str(engine_args.model), head, extra.get(CAPTURE_KEY))
+    serve = extra.get(SERVE_KEY) or {}
+    if serve.get("scores_on_device"):
+        from .launch import capture_settings
+
+        if extra.get(CAPTURE_KEY) is not None:
+            raise InputError(f"{SERVE_KEY}.scores_on_device captures the head's layers reduced by its inputs: drop "
+                             f"additional_config[{CAPTURE_KEY!r}]")
+        settings = capture_settings(str(engine_args.model), serve.get("head"), None, scores_on_device=True)
+    else:
+        settings = plugin_capture_settings(str(engine_args.model), serve.get("head"), extra.get(CAPTURE_KEY))
     if (settings.points or settings.steering) and not engine_args.enforce_eager:
         raise InputError(f"{CAPTURE_KEY} points and steering are forward hooks on decoder submodules, which never "
                          "fire in a compiled model: add --enforce-eager")

@@ -5,6 +5,12 @@ the ids and logprobs vLLM returned and the sequence's exact rows, so a served an
 same numbers as the offline job. :func:`score_spans` scores steps of a still-growing answer
 (streaming) with the same features. Both give the head one step at a time, so a step's score
 never depends on which other steps share its batch: streamed step scores equal the final ones.
+
+On a server whose worker reduces rows to the head's inputs (``serve --scores-on-device``), a
+sequence's rows are ``[rows, 1, D]``: the head's :class:`~uhead_vllm.heads.token_inputs.TokenInputs`
+of each token. The scorer then hands :func:`score_generation` a facade head that reads those rows
+as one pseudo layer (``D`` values, then the top-k logprobs) and finishes the head's logit from them
+(``TokenInputs.decide``): the same scoring path, the head's numbers.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import Any, Sequence, cast
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from ..features import FeatureRecipe, StepSpan, pool, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
+from ..heads.token_inputs import TokenInputs
 from ..scoring.recipe import GenerationRecipe
 from ..scoring.scored import score_generation
 from ..scoring.spans import AnswerArrays, span_features
@@ -53,22 +61,53 @@ class _OneStepAtATime:
         return np.concatenate([self._head.predict_proba([s]) for s in steps]) if len(steps) else np.empty(0)
 
 
+#: The one column of a reduced server's rows, as the facade's recipe names it.
+REDUCED_LAYER = 0
+
+
+class ReducedHead:
+    """The head, scoring steps from its reduced inputs: features ``[t, D + k]`` (the row's ``D``
+    inputs, then ``k`` top-k logprobs) under a recipe of one pseudo layer. Each step alone, as
+    :class:`_OneStepAtATime`."""
+
+    def __init__(self, head: UncertaintyHead, inputs: TokenInputs):
+        assert head.recipe is not None  # a head with token inputs has a recipe (token_inputs() checks)
+        self._head, self.inputs = head, inputs
+        self.recipe = FeatureRecipe([REDUCED_LAYER], head.recipe.pooling, inputs.logprob_topk)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+    def predict_proba(self, steps: Sequence[torch.Tensor]) -> np.ndarray:
+        d = self.inputs.width
+        logits = [self.inputs.decide([f[:, :d]], [f[:, d:]]) for f in steps]
+        return expit(np.concatenate(logits)) if logits else np.empty(0)
+
+
 def step_dict(text: str, start: int, end: int, p: float | None) -> dict[str, Any]:
     return {"text": text, "token_start": start, "token_end": end, "p_wrong": p}
 
 
 class Scorer:
-    """A head with the recipe it was trained with (logprobs, step splitting)."""
+    """A head with the recipe it was trained with (logprobs, step splitting). ``inputs``: the head's
+    token inputs, where the worker reduces rows to them (rows ``[rows, 1, D]``; see the module)."""
 
-    def __init__(self, head: UncertaintyHead, name: str, tokenizer: Any, layers: Sequence[int]):
+    def __init__(self, head: UncertaintyHead, name: str, tokenizer: Any, layers: Sequence[int],
+                 inputs: TokenInputs | None = None):
         self.head = head
-        self._stepwise = cast(UncertaintyHead, _OneStepAtATime(head))  # the head's own face, via __getattr__
+        face: Any = _OneStepAtATime(head) if inputs is None else ReducedHead(head, inputs)
+        self._stepwise = cast(UncertaintyHead, face)  # the head's own face, via __getattr__
+        self.reduced = inputs is not None
+        self.inputs_width = 0 if inputs is None else inputs.width  # D: a reduced row's width
         self.name = name
         self.tokenizer = tokenizer
-        self.layers = tuple(layers)  # the captured layers, in the order rows carry them
+        self.layers = tuple(layers) if inputs is None else (REDUCED_LAYER,)  # the columns rows carry, in order
         generation = head.require_usage(generation=True).generation
         assert generation is not None  # require_usage(generation=True) refuses a head without one
         self.recipe = GenerationRecipe(**generation)
+        if inputs is not None and tuple(layers) != inputs.layers:
+            raise ValueError(f"the head's token inputs read layers {list(inputs.layers)}; the engine captures "
+                             f"{list(layers)}")
         missing = [k for k in self._feature_recipe.layers if k not in self.layers]
         if missing:
             raise ValueError(f"the head needs layers {missing}, which the engine does not capture "
@@ -76,9 +115,11 @@ class Scorer:
 
     @property
     def _feature_recipe(self) -> FeatureRecipe:
-        """The head's feature recipe (a head without one cannot score)."""
-        assert self.head.recipe is not None
-        return self.head.recipe
+        """The recipe of the features the scorer builds (a head without one cannot score): the
+        head's, or the facade's over reduced rows."""
+        recipe = self._stepwise.recipe
+        assert recipe is not None
+        return recipe
 
     @property
     def logprobs_needed(self) -> int:

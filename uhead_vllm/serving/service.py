@@ -47,7 +47,7 @@ class UncertaintyService:
         self.num_layers = num_layers
         self.completion = RowCompletion(block_size, store_bytes, new_tag)
         self.limits = ServerLimits(settings.layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
-                                   settings.points)
+                                   settings.points, reduced=bool(settings.token_inputs))
         self.registry: dict[str, RequestRecord] = {}
         self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
                          "capture_errors": 0, "released_early": 0, "stopped_choices": 0,

@@ -68,6 +68,12 @@ class ServerLimits:
     head_name: str | None
     max_rows_bytes: int
     captured_points: tuple[Site, ...] = ()
+    reduced: bool = False  # the worker reduces rows to the head's inputs (serve --scores-on-device)
+
+
+#: The answer to a request for rows or features on a server whose worker keeps neither.
+REDUCED_REFUSAL = ("this server reduces rows to the head's inputs on the device; start it without "
+                   "--scores-on-device to get rows")
 
 
 def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | None:
@@ -103,6 +109,9 @@ def parse_uncertainty(value: Any, limits: ServerLimits) -> UncertaintySpec | Non
                                     "'steps' (and a head)")
     stop_above = _threshold(value, "stop_above", steps)
     keep_below = _threshold(value, "keep_below", steps)
+    if limits.reduced and (value.get("rows") not in (None, False) or features):
+        raise BadUncertaintyRequest(REDUCED_REFUSAL if features is False else
+                                    REDUCED_REFUSAL.replace("get rows", "get the head's features"))
     rows = _parse_rows(value.get("rows"), limits)
     max_bytes = value.get("max_bytes", limits.max_rows_bytes)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:

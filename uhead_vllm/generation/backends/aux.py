@@ -15,6 +15,7 @@ from ...adapters.versions import check_vllm_version
 from ...capture.protocol import (CAPTURE_KEY, EXTENSION_QUALNAME, CapturedRows, CaptureSettings, SharedDestination,
                                  decode_rows)
 from ...capture.row_files import destination_nbytes, destination_on
+from ...capture.token_weight import load_weight
 from ...errors import CaptureNotInstalledError
 from .base import Placement, live_engine, raise_if_engine_dead
 from ..shared_rows import RowFile, SharedRowFiles
@@ -23,7 +24,7 @@ from .transports import shared_row_files, transport_for
 
 def capture_engine_kwargs(
     layers: Iterable[int], dtype: str = "float32", max_bytes: int = 4 << 30, *,
-    points: Iterable[Any] = (), steering: bool = False,
+    points: Iterable[Any] = (), steering: bool = False, token_inputs: str = "",
 ) -> dict[str, Any]:
     """Keyword arguments to merge into ``vllm.LLM(...)`` so its workers capture ``layers``.
 
@@ -32,12 +33,20 @@ def capture_engine_kwargs(
     ``mlp_out``; see ``uhead_vllm.capture.points``), captured as columns after the layers.
     ``steering=True`` lets requests steer (``SamplingParams.extra_args["uhead_steer"]``). Both are
     hooks, so the engine must be eager (a compiled one is refused when it loads).
+    ``token_inputs``: a head's token-inputs file (``TokenInputs.save``) reading exactly ``layers``
+    in their order: the worker then reduces each row to the head's ``D`` inputs on the device, and
+    rows are ``[rows, 1, D]`` float32 (docs/capture.md#scores-without-rows).
     Raises ``UnsupportedVllmError`` for a vLLM outside the checked versions, ``ValueError`` for
-    an unknown point.
+    an unknown point or a token-inputs file that does not read ``layers``.
     """
     check_vllm_version()
     settings = CaptureSettings(layers=tuple(int(k) for k in layers), dtype=dtype, max_bytes=max_bytes,
-                               points=tuple(points), steering=bool(steering))
+                               points=tuple(points), steering=bool(steering), token_inputs=str(token_inputs or ""))
+    if settings.token_inputs:
+        read, _ = load_weight(settings.token_inputs)
+        if read != settings.layers:
+            raise ValueError(f"token_inputs {settings.token_inputs} reads layers {list(read)}; the engine would "
+                             f"capture {list(settings.layers)}: pass exactly the head's layers, in its order")
     return {
         "worker_extension_cls": EXTENSION_QUALNAME,
         "additional_config": {CAPTURE_KEY: settings.to_dict()},
@@ -210,10 +219,11 @@ class AuxBackend:
 
     def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
                       max_capture_bytes: int = 4 << 30, capture_dir: str | None = None,
-                      points: Iterable[Any] = (), steering: bool = False) -> dict[str, Any]:
+                      points: Iterable[Any] = (), steering: bool = False, token_inputs: str = "") -> dict[str, Any]:
         if capture_dir is not None:
             raise ValueError("capture_dir is for the 'extract' backend; the 'aux' backend keeps rows in memory")
-        return capture_engine_kwargs(layers, capture_dtype, max_capture_bytes, points=points, steering=steering)
+        return capture_engine_kwargs(layers, capture_dtype, max_capture_bytes, points=points, steering=steering,
+                                     token_inputs=token_inputs)
 
     def owns(self, llm: Any) -> bool:
         return CAPTURE_KEY in engine_internals.additional_config(llm)

@@ -106,9 +106,10 @@ class CaptureBackend(Protocol):
     name: str
 
     def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str, max_capture_bytes: int,
-                      capture_dir: str | None, points: Iterable[Any] = (), steering: bool = False) -> dict[str, Any]:
+                      capture_dir: str | None, points: Iterable[Any] = (), steering: bool = False,
+                      token_inputs: str = "") -> dict[str, Any]:
         """``vllm.LLM`` keyword arguments that install this backend (refuses unsupported set-ups,
-        e.g. capture points or steering where it has none)."""
+        e.g. capture points, steering or token inputs where it has none)."""
 
     def owns(self, llm: Any) -> bool:
         """True when ``llm`` was built with this backend's ``engine_kwargs``."""

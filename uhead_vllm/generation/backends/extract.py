@@ -190,9 +190,9 @@ class ExtractBackend:
 
     def engine_kwargs(self, layers: Iterable[int], *, capture_dtype: str = "float32",
                       max_capture_bytes: int = 4 << 30, capture_dir: str | None = None,
-                      points: Iterable[Any] = (), steering: bool = False) -> dict[str, Any]:
-        if list(points) or steering:
-            raise ValueError("capture points and steering are features of the 'aux' backend (worker hooks); "
+                      points: Iterable[Any] = (), steering: bool = False, token_inputs: str = "") -> dict[str, Any]:
+        if list(points) or steering or token_inputs:
+            raise ValueError("capture points, steering and token inputs are features of the 'aux' backend (worker hooks); "
                              "the 'extract' backend reads vLLM's residual-stream outputs only")
         if engine_internals.platform_is_cuda():
             raise NotImplementedError(
