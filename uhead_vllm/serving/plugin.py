@@ -61,15 +61,18 @@ def add_capture(engine_args: Any) -> None:
     engine_args.worker_extension_cls = EXTENSION_QUALNAME
     extra = dict(engine_args.additional_config or {})
     serve = extra.get(SERVE_KEY) or {}
-    if serve.get("scores_on_device"):
+    given = extra.get(CAPTURE_KEY)
+    if isinstance(given, dict) and "token_inputs" in given:  # built here before (another process of vLLM's)
+        settings = CaptureSettings.from_dict(given)
+    elif serve.get("scores_on_device"):
         from .launch import capture_settings
 
-        if extra.get(CAPTURE_KEY) is not None:
+        if given is not None:
             raise InputError(f"{SERVE_KEY}.scores_on_device captures the head's layers reduced by its inputs: drop "
                              f"additional_config[{CAPTURE_KEY!r}]")
         settings = capture_settings(str(engine_args.model), serve.get("head"), None, scores_on_device=True)
     else:
-        settings = plugin_capture_settings(str(engine_args.model), serve.get("head"), extra.get(CAPTURE_KEY))
+        settings = plugin_capture_settings(str(engine_args.model), serve.get("head"), given)
     if (settings.points or settings.steering) and not engine_args.enforce_eager:
         raise InputError(f"{CAPTURE_KEY} points and steering are forward hooks on decoder submodules, which never "
                          "fire in a compiled model: add --enforce-eager")
