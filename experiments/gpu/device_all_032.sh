@@ -71,7 +71,8 @@ for s in $steps; do
         --ignore=tests/gpu/test_serving_gpu.py -k "not rows_equal_hf_on_gpu and not tensor_parallel" ;;
     faults)
       # every test server eager (points and steering need it) and at 0.2 of the card (two live at once)
-      UHEAD_TEST_SERVER_ARGS="--enforce-eager --gpu-memory-utilization 0.2" \
+      # and on the V1 runner: points and steering refuse Model Runner V2 (measured: every server start failed)
+      UHEAD_TEST_SERVER_ARGS="--enforce-eager --gpu-memory-utilization 0.2" VLLM_USE_V2_MODEL_RUNNER=0 \
         run_step faults "${FAULTS_LIMIT:-220}" python3 -m pytest tests/test_serving_faults.py -q -p no:cacheprovider ;;
     bench|bench-full)  # bench-full: without --quick (the whole serving grid)
       quick=$([ "$s" = bench ] && echo --quick)
