@@ -20,7 +20,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -147,3 +147,26 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def case_main(run_case: Callable[[str, str, str, tuple[int, ...]], dict[str, Any]], default_layers: str,
+              description: str) -> None:
+    """The command line of a one-case parity script (tests/gpu/*_parity.py): ``--model``, ``--mode``,
+    ``--layers``, ``--out``; fp32, else bf16 where fp32 is refused; any failure written as ``error``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", choices=["graphs", "eager"], required=True)
+    ap.add_argument("--layers", default=default_layers)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    layers = tuple(int(k) for k in args.layers.split(","))
+    result: dict[str, Any] = {"mode": args.mode, "layers": list(layers),
+                              "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2"}
+    for dtype in ("float32", "bfloat16"):
+        try:
+            result.update(dtype=dtype, **run_case(args.model, args.mode, dtype, layers))
+            result.pop("error", None)
+            break
+        except Exception:  # noqa: BLE001  (reported to the test; bf16 where fp32 is refused)
+            result["error"] = traceback.format_exc()[-4000:]
+    Path(args.out).write_text(json.dumps(result, indent=1))

@@ -121,22 +121,7 @@ def test_capture_windows_and_shared_prompt_rows_on_gpu(gpu_model: Path, runner: 
     of a prompt sharing its rows, n=4, strict (tests/gpu/window_parity.py): rows inside the windows
     equal HF's, nothing outside them crossed to the host, a cached prompt costs the generated
     window no fill and no recompute, every sample's prompt part is sample 0's."""
-    from uhead_vllm.envs import FILE_WRITES_ENV
-
-    out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))
-    name = f"windows-{runner}-{mode}-{writes}"
-    out = out_dir / f"{name}.json"
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
-           FILE_WRITES_ENV: "1" if writes == "file-writer" else "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "window_parity.py"), "--model", str(gpu_model),
-                           "--mode", mode, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
-    (out_dir / f"{name}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
-    assert out.exists(), proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert "error" not in result, result["error"]
-    assert result["runner"] == runner and result["problems"] == [], result["problems"]
+    result = _case("window_parity.py", "windows", gpu_model, runner, mode, writes, tmp_path)
     phases = result["phases"]
     assert phases["generated_cold"]["rows_skipped"] > 0 and phases["k24_cached"]["rows_from_store"] > 0
     assert all(p["capture_missed_rows"] == 0 for p in phases.values()), phases
@@ -151,15 +136,26 @@ def test_rows_reduced_to_a_heads_inputs_on_gpu(gpu_model: Path, runner: str, mod
     """An engine built with token inputs (``D = 128``, layers out of order): every sample's rows are
     ``[rows, 1, D]`` and equal the weight applied to HF's rows, n=4, cold, prefix-cached and the
     generated window, strict (tests/gpu/reduced_parity.py); only D float32 values per row crossed."""
+    result = _case("reduced_parity.py", "reduced", gpu_model, runner, mode, writes, tmp_path)
+    phases = result["phases"]
+    assert phases["all_cached"]["rows_from_store"] > 0 and phases["generated"]["rows_skipped"] > 0, phases
+    assert all(p["capture_missed_rows"] == 0 for p in phases.values()), phases
+    assert result["rows_checked"] > 1000
+    assert result["max_rel_l2"] < TOLERANCE[result["dtype"]], result["max_rel_l2"]
+
+
+def _case(script: str, kind: str, gpu_model: Path, runner: str, mode: str, writes: str, tmp_path: Path) -> dict:
+    """Run one parity script of tests/gpu in its own process (vLLM reads the runner once) and return
+    its result after the checks every case shares: it finished, on the runner asked, without problems."""
     from uhead_vllm.envs import FILE_WRITES_ENV
 
     out_dir = Path(os.environ.get("UHEAD_GPU_RESULTS", tmp_path))
-    name = f"reduced-{runner}-{mode}-{writes}"
+    name = f"{kind}-{runner}-{mode}-{writes}"
     out = out_dir / f"{name}.json"
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
            FILE_WRITES_ENV: "1" if writes == "file-writer" else "0",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "reduced_parity.py"), "--model", str(gpu_model),
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / script), "--model", str(gpu_model),
                            "--mode", mode, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     (out_dir / f"{name}.log").write_text(proc.stdout[-20000:] + proc.stderr[-60000:])
@@ -167,8 +163,4 @@ def test_rows_reduced_to_a_heads_inputs_on_gpu(gpu_model: Path, runner: str, mod
     result = json.loads(out.read_text())
     assert "error" not in result, result["error"]
     assert result["runner"] == runner and result["problems"] == [], result["problems"]
-    phases = result["phases"]
-    assert phases["all_cached"]["rows_from_store"] > 0 and phases["generated"]["rows_skipped"] > 0, phases
-    assert all(p["capture_missed_rows"] == 0 for p in phases.values()), phases
-    assert result["rows_checked"] > 1000
-    assert result["max_rel_l2"] < TOLERANCE[result["dtype"]], result["max_rel_l2"]
+    return result

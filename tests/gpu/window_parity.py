@@ -11,18 +11,15 @@ samples' prompt parts are one copy per prompt.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from experiments.gpu.capture_parity import PREFIX, QUESTIONS, engine_kwargs, hf_reference, relative_l2  # noqa: E402
+from experiments.gpu.capture_parity import (PREFIX, QUESTIONS, case_main, engine_kwargs, hf_reference,  # noqa: E402
+                                            relative_l2)
 
 
 def run(model_dir: str, mode: str, dtype: str, layers: tuple[int, ...]) -> dict[str, Any]:
@@ -76,25 +73,5 @@ def run(model_dir: str, mode: str, dtype: str, layers: tuple[int, ...]) -> dict[
             "phases": phases, "problems": problems}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--mode", choices=["graphs", "eager"], required=True)
-    ap.add_argument("--layers", default="0,15,30")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    layers = tuple(int(k) for k in args.layers.split(","))
-    result: dict[str, Any] = {"mode": args.mode, "layers": list(layers),
-                              "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2"}
-    for dtype in ("float32", "bfloat16"):
-        try:
-            result.update(dtype=dtype, **run(args.model, args.mode, dtype, layers))
-            result.pop("error", None)
-            break
-        except Exception:  # noqa: BLE001  (reported to the test; bf16 where fp32 is refused)
-            result["error"] = traceback.format_exc()[-4000:]
-    Path(args.out).write_text(json.dumps(result, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    case_main(run, "0,15,30", __doc__.splitlines()[0])
