@@ -231,6 +231,7 @@ class Runner:
                                 "assembly_seconds": dt - self._generate_seconds - self._fetch_seconds,
                                 "rows_from_store": st.rows_from_store,
                                 "rows_from_shared_prefix": st.rows_from_shared_prefix,
+                                "rows_shared": st.rows_shared,
                                 "rows_recomputed": st.rows_recomputed,
                                 "prefix_cache_rows": st.prefix_cache_rows,
                                 "rows_placed_during_generation": self._rows_placed,
