@@ -166,7 +166,7 @@ def test_a_client_leaving_during_a_recompute_leaves_no_rows_in_the_worker():
         record.new_prompt(1, False)
         out = SimpleNamespace(index=0, token_ids=[30, 31, 32], logprobs=None, text="abc", finish_reason="stop")
         record.observe(0, SimpleNamespace(prompt_token_ids=list(range(1, 9)), outputs=[out]))
-        task = asyncio.ensure_future(service.sequence_rows(record, 0, 0, 0, True))  # no row captured: recompute
+        task = asyncio.ensure_future(service.sequence_rows(record, 0, 0, 0))  # no row captured: recompute
         await worker.running.wait()
         assert recorder.bytes_held > 0
         task.cancel()  # the client is gone

@@ -168,15 +168,52 @@ def test_take_tags_takes_only_those_rows_and_forget_stops_recording():
     assert rest.tags.tolist() == [1] and rec.bytes_held == 0
 
 
-def test_record_keeps_rows_per_sequence():
+def test_record_keeps_rows_per_sequence_and_only_its_own():
     from uhead_vllm.capture.protocol import CapturedRows
 
     r = RequestRecord("k", UncertaintySpec(), 0)
+    _, a = r.new_prompt(2, False)
+    _, b = r.new_prompt(2, False)
+    other = a ^ b ^ 1  # another request's tag, in the same take
     z = torch.tensor
-    r.add_rows(CapturedRows((0,), torch.ones(4, 1, 2), z([5, 7, 5, 5]), z([0, 0, 1, 0]), z([0, 0, 0, 1]),
-                            z([9, 9, 9, 9]), z([0, 4])))
-    pos, ids, hidden = r.captured(5, 0)
-    assert pos.tolist() == [0, 1] and r.captured(5, 1)[0].tolist() == [0] and r.captured(7, 1) is None
+    r.add_rows(CapturedRows((0,), torch.arange(6.0).view(6, 1, 1), z([a, b, a, a, other, other]),
+                            z([0, 0, 1, 0, 0, 1]), z([0, 0, 0, 1, 0, 0]), z([9] * 6), z([0, 6])))
+    pos, ids, hidden = r.captured(a, 0)
+    assert pos.tolist() == [0, 1] and hidden.flatten().tolist() == [0.0, 3.0]
+    assert r.captured(a, 1)[0].tolist() == [0] and r.captured(b, 1) is None
+    assert r.captured(other, 0) is None and r.bytes_held() == 4 * 4
+
+
+def test_takes_while_one_runs_share_the_next_rpc_and_each_record_keeps_its_rows():
+    """Three requests fetch at once from a real recorder: the first take runs alone, the two that
+    asked while it ran share the next one, and each record ends with exactly its own rows."""
+    import asyncio
+
+    from uhead_vllm.serving.takes import TakeQueue
+
+    rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
+    records = [RequestRecord(str(k), UncertaintySpec(), 0) for k in range(3)]
+    tags = [r.new_prompt(1, False)[1] for r in records]
+    _step(rec, {"a": 3, "b": 2, "c": 1}, {x: RequestTag(t, 0).to_extra_args() for x, t in zip("abc", tags)})
+    calls: list[list[int]] = []
+
+    async def take(wanted: list[int], forget: bool, expect_rows: int):
+        calls.append(wanted)
+        await asyncio.sleep(0.01)  # an RPC's round trip: the others ask meanwhile
+        return rec.take_tags(wanted, forget)
+
+    async def main() -> None:
+        queue = TakeQueue(take, forget=False)
+        first = asyncio.ensure_future(queue.take([tags[0]], 3, records[0].add_rows))
+        await asyncio.sleep(0)
+        await asyncio.gather(first, *(queue.take([t], 2, r.add_rows) for t, r in zip(tags[1:], records[1:])))
+        assert (queue.rounds, queue.callers) == (2, 3)
+
+    asyncio.run(main())
+    assert calls == [[tags[0]], sorted(tags[1:])]
+    assert [r.captured(t, 0)[0].numel() for r, t in zip(records, tags)] == [3, 2, 1]
+    assert all(r.captured(t, 0) is None for r in records for t in tags if t not in r.tags)
+    assert rec.bytes_held == 0
 
 
 def test_body_guard_refuses_reserved_keys_anywhere_and_fields_a_route_cannot_serve():

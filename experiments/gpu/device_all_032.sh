@@ -6,6 +6,7 @@
 # Steps (their own time limits; the sums fit a 600 s call as split in README_carry.md):
 #   tests   tests/gpu/test_serving_gpu.py: uhead-vllm serve and the plugin form on the GPU (~4 min)
 #   capture tests/gpu's other capture cases (windows, shared prompt rows, reduced inputs, kernels)
+#   tp      tests/gpu's TP=2 parity case, alone (two GPUs: a multi-GPU kind; ~2.5 min)
 #   faults  tests/test_serving_faults.py against GPU servers (eager: the session server steers and
 #           captures points, which only hook eager engines; ~3 min)
 #   bench   experiments.serving.bench_gpu --quick: vanilla vLLM vs uhead-vllm serve (~4.5 min)
@@ -13,7 +14,7 @@
 #   bench-full, grid-full: the same without --quick (grid-full: one shape and layer count a call,
 #           e.g. GRID_ARGS="--shape llama8b --layers 1")
 # Extra arguments: BENCH_ARGS, GRID_ARGS (appended); each step's limit: TESTS_LIMIT (300 s),
-# FAULTS_LIMIT (220), BENCH_LIMIT (540), GRID_LIMIT (540). UHEAD_COMMIT names the commit (the machine gets
+# FAULTS_LIMIT (220), CAPTURE_LIMIT (520), TP_LIMIT (300), BENCH_LIMIT (540), GRID_LIMIT (540). UHEAD_COMMIT names the commit (the machine gets
 # a working tree). $OUT gets at most 8 files (the device tool's limit): steps.txt (one line per
 # step: name, exit code, seconds), versions.json, each benchmark's .json and .md, and
 # logs-<steps>.tgz with every log and the tests' result files.
@@ -61,19 +62,24 @@ for s in $steps; do
     tests)
       mkdir -p "$LOGS/serving-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/serving-tests \
-        run_step tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/gpu/test_serving_gpu.py -q -p no:cacheprovider ;;
+        run_step tests "${TESTS_LIMIT:-300}" python3 -m pytest tests/gpu/test_serving_gpu.py -q -rfE -p no:cacheprovider ;;
     capture)
       # tests/gpu's capture cases beyond the 0.32 parity run (which passed): windows and shared prompt
       # rows, reduced head inputs, the scatter kernel and step graphs; TP=2 needs two GPUs
       mkdir -p "$LOGS/capture-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/capture-tests VLLM_ENABLE_V1_MULTIPROCESSING=1 \
-        run_step capture "${CAPTURE_LIMIT:-300}" python3 -m pytest tests/gpu -n 4 -q -p no:cacheprovider \
+        run_step capture "${CAPTURE_LIMIT:-520}" python3 -m pytest tests/gpu -n 4 -q -rfE -p no:cacheprovider \
         --ignore=tests/gpu/test_serving_gpu.py -k "not rows_equal_hf_on_gpu and not tensor_parallel" ;;
+    tp)
+      mkdir -p "$LOGS/capture-tests"
+      UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/capture-tests \
+        run_step tp "${TP_LIMIT:-300}" python3 -m pytest tests/gpu/test_capture_gpu.py -q -rfE -p no:cacheprovider \
+        -k tensor_parallel ;;
     faults)
       # every test server eager (points and steering need it) and at 0.2 of the card (two live at once)
       # and on the V1 runner: points and steering refuse Model Runner V2 (measured: every server start failed)
       UHEAD_TEST_SERVER_ARGS="--enforce-eager --gpu-memory-utilization 0.2" VLLM_USE_V2_MODEL_RUNNER=0 \
-        run_step faults "${FAULTS_LIMIT:-220}" python3 -m pytest tests/test_serving_faults.py -q -p no:cacheprovider ;;
+        run_step faults "${FAULTS_LIMIT:-220}" python3 -m pytest tests/test_serving_faults.py -q -rfE -p no:cacheprovider ;;
     bench|bench-full)  # bench-full: without --quick (the whole serving grid)
       quick=$([ "$s" = bench ] && echo --quick)
       # shellcheck disable=SC2086
@@ -88,7 +94,7 @@ for s in $steps; do
         --tokenizer .gpu/tok --out "$LOGS/grid" $quick ${GRID_ARGS:-}
       cp "$LOGS"/grid/grid-*.json "$LOGS"/grid/grid-*.md "$OUT/" 2>/dev/null
       cat "$LOGS"/grid/grid-*.md 2>/dev/null ;;
-    *) echo "unknown step: $s (tests | capture | faults | bench | bench-full | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
+    *) echo "unknown step: $s (tests | capture | tp | faults | bench | bench-full | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
 # everything else in one archive: logs, the tests' result files (the models' folders left out)

@@ -125,7 +125,8 @@ def test_capture_windows_and_shared_prompt_rows_on_gpu(gpu_model: Path, runner: 
     phases = result["phases"]
     assert phases["generated_cold"]["rows_skipped"] > 0 and phases["k24_cached"]["rows_from_store"] > 0
     assert all(p["capture_missed_rows"] == 0 for p in phases.values()), phases
-    assert all(p["rows_shared"] > 0 for name, p in phases.items() if name != "continue_shared_sample"), phases
+    # samples share prompt rows where the window holds some (a generated window has none to share)
+    assert phases["all"]["rows_shared"] > 0 and phases["k24_cached"]["rows_shared"] > 0, phases
     assert result["rows_checked"] > 1000
     assert max(result["max_rel_l2_per_layer"].values()) < TOLERANCE[result["dtype"]], result["max_rel_l2_per_layer"]
 

@@ -133,11 +133,15 @@ class RequestRecord:
 
     # ------------------------------------------------------------------ captured rows
     def add_rows(self, rows: CapturedRows) -> None:
+        """Keep (copy) this request's rows of a take; a take may carry other requests' rows too."""
         if rows.error:
             self.capture_errors.append(rows.error)
         if not rows.num_rows:
             return
-        order = torch.argsort(rows.samples, stable=True)
+        mine = torch.isin(rows.tags, torch.tensor(self.tags, dtype=rows.tags.dtype)).nonzero().flatten()
+        if not mine.numel():
+            return
+        order = mine[torch.argsort(rows.samples[mine], stable=True)]
         order = order[torch.argsort(rows.tags[order], stable=True)]  # by (tag, sample)
         keys = torch.stack([rows.tags[order], rows.samples[order]], 1)
         uniq, counts = torch.unique_consecutive(keys, dim=0, return_counts=True)

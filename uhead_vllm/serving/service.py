@@ -24,10 +24,12 @@ from ..adapters.server import abort_sample
 from ..capture.points import site_name
 from ..capture.protocol import CapturedRows, CaptureSettings
 from ..generation.backends import AsyncCaptureClient, make_capture_client
+from ..generation.assembly import place_rows
 from ..generation.completion import Recompute, RowCompletion, SequenceRows
 from .record import RequestRecord, new_tag
 from .scoring import Scorer
 from .spec import BadUncertaintyRequest, ServerLimits, UncertaintySpec
+from .takes import TakeQueue
 
 _BACKGROUND: set[asyncio.Task] = set()
 logger = logging.getLogger("uhead_vllm.serving")
@@ -49,6 +51,9 @@ class UncertaintyService:
         self.limits = ServerLimits(settings.layers, hidden_size, scorer.name if scorer else None, max_rows_bytes,
                                    settings.points, reduced=bool(settings.token_inputs))
         self.registry: dict[str, RequestRecord] = {}
+        # Rows of running requests, and the last take that forgets a request: one RPC per round.
+        self._takes = TakeQueue(self.capture.take_tags, forget=False)
+        self._forgets = TakeQueue(self.capture.take_tags, forget=True)
         self.counters = {"requests": 0, "rows_from_store": 0, "rows_recomputed": 0, "recompute_requests": 0,
                          "capture_errors": 0, "released_early": 0, "stopped_choices": 0,
                          "aborted_choices": 0}
@@ -68,7 +73,7 @@ class UncertaintyService:
         """Forget a request: drop its rows here and in the worker, stop recording its tags."""
         self.registry.pop(record.key, None)
         if record.tags:
-            await self._fetch_tags(record.tags, forget=True)
+            await self._forgets.take(record.tags, 0, lambda rows: None)
 
     def release_soon(self, record: RequestRecord) -> None:
         """Release from a cancelled context (client gone): run it as its own task."""
@@ -80,10 +85,12 @@ class UncertaintyService:
     async def fetch(self, record: RequestRecord) -> None:
         """Move the rows the worker recorded for this request so far into its record."""
         if record.tags:
-            rows = await self._fetch_tags(record.tags, expect_rows=record.rows_expected())
-            if rows.error:
-                self.counters["capture_errors"] += 1
-            record.add_rows(rows)
+            await self._takes.take(record.tags, record.rows_expected(), lambda rows: self._add_rows(record, rows))
+
+    def _add_rows(self, record: RequestRecord, rows: CapturedRows) -> None:
+        if rows.error:
+            self.counters["capture_errors"] += 1
+        record.add_rows(rows)
 
     async def _fetch_tags(self, tags: list[int], forget: bool = False, expect_rows: int = 0) -> CapturedRows:
         """The rows of ``tags``; through shared memory when the caller says how many to expect."""
@@ -124,15 +131,12 @@ class UncertaintyService:
             await outputs.aclose()  # closing vLLM's generator aborts the request now, not at GC
 
     # ------------------------------------------------------------------ one sequence
-    async def sequence_rows(self, record: RequestRecord, prompt_index: int, sample: int, need_from: int | None,
-                            final: bool) -> tuple[torch.Tensor, int]:
-        """Exact rows ``[num_rows, columns, H]`` (the layers, then the points) of one sequence and
-        its prompt length.
-
-        ``need_from``: first position that must be exact (0 for returned rows, the prompt length
-        for scoring; None = the prompt length). ``final=False`` (streaming) completes nothing:
-        rows of a running sequence exist up to its newest token's predecessor.
-        """
+    async def sequence_rows(self, record: RequestRecord, prompt_index: int, sample: int,
+                            need_from: int | None) -> tuple[torch.Tensor, int]:
+        """Exact rows ``[num_rows, columns, H]`` (the layers, then the points) of one finished
+        sequence and its prompt length, completed from the row store or a recompute where the
+        engine skipped rows. ``need_from``: first position that must be exact (0 for returned
+        rows, None = the prompt length, for scoring)."""
         p = record.prompts[prompt_index]
         s = p.seqs[sample]
         prompt = p.prompt_token_ids or []
@@ -142,19 +146,37 @@ class UncertaintyService:
         seq = SequenceRows.captured(expected, num_rows, record.captured(p.tag, sample), self.settings.num_columns,
                                     self.hidden_size, self.settings.torch_dtype, salt=record.salt,
                                     cache_salt=record.salt, steer_args=record.steer_args, need_from=start)
-        if final:
-            done = await self.completion.complete_async([seq], self._recompute)
-            self.counters["rows_from_store"] += done.rows_from_store
-            self.counters["rows_recomputed"] += done.rows_recomputed
-        elif not bool(seq.valid[start:].all()):
-            raise RuntimeError("rows of a running sequence are missing")  # caller falls back to the end
+        done = await self.completion.complete_async([seq], self._recompute)
+        self.counters["rows_from_store"] += done.rows_from_store
+        self.counters["rows_recomputed"] += done.rows_recomputed
         return seq.rows, len(prompt)
+
+    def running_rows(self, record: RequestRecord, prompt_index: int, sample: int) -> torch.Tensor:
+        """The generated rows ``[T - 1, columns, H]`` of a running sequence of ``T`` tokens so far
+        (a row exists once its token was fed back), from what the worker sent; nothing is completed
+        while it runs. Only these rows are assembled: at each step end of each stream, so its cost
+        must not grow with the prompt. Raises RuntimeError where one is missing (the final object
+        completes it)."""
+        p = record.prompts[prompt_index]
+        s = p.seqs[sample]
+        n, num_rows = len(p.prompt_token_ids or ()), max(len(s.token_ids) - 1, 0)
+        rows = torch.empty((num_rows, self.settings.num_columns, self.hidden_size), dtype=self.settings.torch_dtype)
+        valid = torch.zeros(num_rows, dtype=torch.bool)
+        captured = record.captured(p.tag, sample)
+        if captured is not None:
+            positions, token_ids, hidden = captured
+            mine = (positions >= n).nonzero().flatten()
+            place_rows(torch.tensor(s.token_ids[:num_rows], dtype=torch.int64), num_rows, positions[mine] - n,
+                       token_ids[mine], hidden[mine], rows, valid)
+        if not bool(valid.all()):
+            raise RuntimeError("rows of a running sequence are missing")
+        return rows
 
     async def choice_uncertainty(self, record: RequestRecord, choice_index: int) -> dict[str, Any]:
         """The ``uncertainty`` object of one finished choice."""
         prompt_index, sample = record.locate(choice_index)
         spec = record.spec
-        rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, 0 if spec.rows else None, True)
+        rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, 0 if spec.rows else None)
         s = record.prompts[prompt_index].seqs[sample]
         out: dict[str, Any] = {}
         if spec.steps:
@@ -237,12 +259,12 @@ class UncertaintyService:
             return []
         await self.fetch(record)
         try:
-            rows, prompt_len = await self.sequence_rows(record, prompt_index, sample, None, False)
+            rows = self.running_rows(record, prompt_index, sample)
         except RuntimeError:
             s.steps_scored = len(spans)  # a row is missing (e.g. preempted): the final object has them
             return []
         new = self.scorer.score_spans(s.token_ids, s.logprobs[: len(s.token_ids)],
-                                      rows[prompt_len:, : len(self.settings.layers)], spans[s.steps_scored :])
+                                      rows[:, : len(self.settings.layers)], spans[s.steps_scored :])
         s.steps_scored = len(spans)
         return new
 
@@ -280,4 +302,6 @@ class UncertaintyService:
                 "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
                 "captured_layers": list(self.settings.layers),
                 "captured_points": [site_name(s) for s in self.settings.points], "head": self.limits.head_name,
-                **self.counters, **self.capture.counters}
+                **self.counters, **self.capture.counters,
+                "row_takes": self._takes.rounds + self._forgets.rounds,
+                "row_take_callers": self._takes.callers + self._forgets.callers}
