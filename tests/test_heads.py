@@ -315,3 +315,34 @@ def test_plots_draw_the_right_curves(tmp_path, monkeypatch):
     for path, fig in ((out, rej_fig), (cal, cal_fig)):
         w, h = fig.get_size_inches() * 120
         assert imread(path).shape[:2] == (round(h), round(w))  # a real image of the figure's size
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_token_char_ends_of_a_fast_tokenizer_equal_decoding_each_prefix(tiny_models, name):
+    """The fast path (every prefix in one call into the tokenizer's backend) gives the offsets that
+    decoding each prefix with the tokenizer's own ``decode`` gives: multi-byte characters split
+    across tokens, special tokens, whitespace, random ids."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from uhead_vllm.features import _as_decode_fn
+
+    tok = AutoTokenizer.from_pretrained(tiny_models[name])
+    assert tok.backend_tokenizer is not None
+    decode = _as_decode_fn(tok)
+    rng = random.Random(0)
+    texts = ["Café 😀 数学\n\n 1 + 1 = 2.\n  so x=3", "  leading spaces\n\tand tabs \u00e9\u0301"]
+    cases = [tok.encode(t, add_special_tokens=False) for t in texts]
+    cases.append([rng.randrange(tok.vocab_size) for _ in range(200)])
+    cases.append(cases[0][:5] + [tok.eos_token_id] + cases[1] + [tok.eos_token_id])
+    for ids in cases:
+        full = decode(ids)
+        ends, last = [], 0
+        for k in range(1, len(ids) + 1):
+            prefix = decode(ids[:k])
+            common = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+            last = max(last, common)
+            ends.append(last)
+        ends[-1] = len(full)
+        assert token_char_ends(ids, tok) == (full, ends)

@@ -135,6 +135,23 @@ def _common_prefix_len(a: str, b: str) -> int:
     return i
 
 
+def _prefix_texts(ids: list[int], decoder: _Decoder | DecodeFn) -> tuple[str, list[str]]:
+    """The full text and the text of every prefix ``ids[:1]`` ... ``ids[:n]``.
+
+    A fast tokenizer decodes all prefixes in one call into its Rust backend (what its ``decode``
+    runs per call, without clean-up); used only where that backend gives the tokenizer's own
+    text for the whole answer, else one ``decode`` per prefix. The server splits every finished
+    choice and every streamed step end: per-prefix calls cost ~0.1 ms each."""
+    decode = _as_decode_fn(decoder)
+    full = decode(ids)
+    backend = getattr(decoder, "backend_tokenizer", None)
+    if backend is not None and ids:
+        texts = backend.decode_batch([ids[:k] for k in range(1, len(ids) + 1)], skip_special_tokens=True)
+        if texts[-1] == full:
+            return full, texts
+    return full, [decode(ids[:k]) for k in range(1, len(ids) + 1)]
+
+
 def token_char_ends(token_ids: Sequence[int], decoder: _Decoder | DecodeFn) -> tuple[str, list[int]]:
     """Decode the full text and the character offset where each token's text ends.
 
@@ -143,13 +160,11 @@ def token_char_ends(token_ids: Sequence[int], decoder: _Decoder | DecodeFn) -> t
     char; taking the common prefix with the full text (and a running max) assigns such partial
     tokens zero width, and the character to the token that completes it.
     """
-    decode = _as_decode_fn(decoder)
-    ids = [int(t) for t in token_ids]
-    full = decode(ids)
+    full, prefixes = _prefix_texts([int(t) for t in token_ids], decoder)
     ends: list[int] = []
     last = 0
-    for k in range(1, len(ids) + 1):
-        last = max(last, _common_prefix_len(decode(ids[:k]), full))
+    for text in prefixes:
+        last = max(last, _common_prefix_len(text, full))
         ends.append(last)
     if ends:
         ends[-1] = len(full)
