@@ -6,7 +6,8 @@ expression across splits, tasks and every earlier question set (PREREGISTRATION.
 
 Deterministic: the same reasoning-gym version gives byte-identical files (MANIFEST.json records
 the version and each file's sha256). Splits are drawn test first, then validation, then train,
-each over all tasks, so a larger training split never changes a test question.
+each over all tasks, so a larger training split never changes a test question, and a task
+appended to ``TASK_OFFSETS`` never changes an existing task's test file.
 """
 
 from __future__ import annotations
