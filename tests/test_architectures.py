@@ -72,6 +72,8 @@ def test_stream_rules():
     assert torch.equal(stream_from_input(StreamRule.SUM, (), {"hidden_states": h, "residual": r}), h + r)
     assert torch.equal(stream_from_input(StreamRule.FIRST, (), {"hidden_states": h, "residual": r}), h)
     assert torch.equal(stream_from_input(StreamRule.TENSOR, (h,), {}), h)
+    positions = torch.arange(3)  # layer(positions, hidden_states, residual), as Gemma 3 calls it
+    assert torch.equal(stream_from_input(StreamRule.SUM, (positions, h, None), {}), h)
 
 
 def test_prefix_caching_rules():

@@ -71,7 +71,7 @@ class TaskSpec:
 
 
 # Keys of `config` are the field names of reasoning-gym's config dataclasses
-# (BasicArithmeticDatasetConfig, ChainSumConfig, GSMSymbolicDatasetConfig).
+# (BasicArithmeticDatasetConfig, ChainSumConfig, DecimalChainSumConfig, GSMSymbolicDatasetConfig).
 TASKS: dict[str, TaskSpec] = {
     "basic_arithmetic": TaskSpec(
         "basic_arithmetic",
@@ -102,6 +102,37 @@ TASKS: dict[str, TaskSpec] = {
         "a +/- b +/- c with one-digit operands: two operations (value study's unseen task)",
     ),
     "gsm_symbolic": TaskSpec("gsm_symbolic", {}, "reasoning-gym default; near 0% for a 135M model"),
+    # Candidates with more steps (the second value study; chosen on validation, see
+    # experiments/value/PREREGISTRATION.md). Answers are numbers, so the committed question files
+    # are graded by numeric equality and their "a op b = c" lines by check_step_line.
+    "chain_sum_4": TaskSpec(
+        "chain_sum",
+        dict(min_terms=4, max_terms=4, min_digits=1, max_digits=2, allow_negation=False),
+        "a +/- b +/- c +/- d with 1-2 digit operands: three operations",
+    ),
+    "basic_arithmetic_3": TaskSpec(
+        "basic_arithmetic",
+        dict(
+            min_terms=3,
+            max_terms=3,
+            min_digits=1,
+            max_digits=2,
+            operators=("+", "-", "*"),
+            allow_parentheses=False,
+            allow_negation=False,
+        ),
+        "a op b op c, operands 0..99, + - *: two operations and their precedence",
+    ),
+    "decimal_chain_sum_3": TaskSpec(
+        "decimal_chain_sum",
+        dict(min_terms=3, max_terms=3, min_digits=1, max_digits=2, min_decimal_places=1, max_decimal_places=1,
+             allow_negation=False),
+        "a +/- b +/- c with one-decimal operands below 100",
+    ),
+    "basic_arithmetic_default": TaskSpec(
+        "basic_arithmetic", {}, "reasoning-gym default: 2-6 terms of 1-4 digits, + - * /, parentheses, negation"
+    ),
+    "chain_sum_default": TaskSpec("chain_sum", {}, "reasoning-gym default: 2-6 terms of 1-4 digits, + -"),
 }
 
 

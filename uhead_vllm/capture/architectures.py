@@ -71,6 +71,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("GraniteMoeHybridForCausalLM", "model.layers", "norm", StreamRule.FIRST),
         ArchSpec("Zamba2ForCausalLM", "model.layers", "final_layernorm", StreamRule.TENSOR),
         ArchSpec("Qwen3NextForCausalLM", "model.layers", "norm", StreamRule.SUM),
+        # Real weights only (Gemma 3 270M, tests/test_second_model.py): vLLM 0.32's Gemma 3 has no
+        # aux outputs; HF index 0 is the embedding times sqrt(hidden), as vLLM's layer 0 receives it.
+        ArchSpec("Gemma3ForCausalLM", "model.layers", "norm", StreamRule.SUM),
         ArchSpec("DeepseekV4ForCausalLM", "model.layers", "norm", StreamRule.STREAMS, _DSV4_NOTE),
         ArchSpec(
             "Lfm2ForCausalLM", "model.layers", "embedding_norm", StreamRule.SUM,
@@ -123,11 +126,13 @@ def stream_from_output(rule: StreamRule, output: Any) -> torch.Tensor:
 def stream_from_input(rule: StreamRule, args: tuple, kwargs: dict) -> torch.Tensor:
     """The residual stream entering a decoder layer (HF index 0 when it is layer 0).
 
-    vLLM layers take ``hidden_states`` (keyword or first positional); ``SUM`` layers also take a
-    ``residual`` (None for the first layer) and the stream is then their sum. The other rules pass
-    the stream itself as ``hidden_states``.
+    vLLM layers take ``hidden_states`` (keyword or first positional, after the integer
+    ``positions`` where a model passes them first: Gemma 3 calls ``layer(positions, hidden,
+    residual)``); ``SUM`` layers also take a ``residual`` (None for the first layer) and the stream
+    is then their sum. The other rules pass the stream itself as ``hidden_states``.
     """
-    hidden = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
+    positional = args[1:] if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point() else args
+    hidden = kwargs.get("hidden_states", kwargs.get("x", positional[0] if positional else None))
     if not isinstance(hidden, torch.Tensor):
         raise TypeError("decoder layer called without a hidden_states tensor")
     if rule is StreamRule.STREAMS and hidden.dim() != 3:
