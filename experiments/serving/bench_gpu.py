@@ -212,8 +212,9 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path)
     log(f"vanilla vLLM up in {seconds['vanilla']:.0f} s")
     t0 = time.perf_counter()
     try:
-        servers["uhead"] = Server(["--model", str(model), "--head", str(head), *common], work / "uhead.log",
-                                  timeout=args.start_timeout)
+        on_device = ["--scores-on-device"] if args.scores_on_device else []
+        servers["uhead"] = Server(["--model", str(model), "--head", str(head), *on_device, *common],
+                                  work / "uhead.log", timeout=args.start_timeout)
     except BaseException:
         servers["vanilla"].stop()
         raise
@@ -232,6 +233,7 @@ def markdown(result: dict) -> str:
              "", ("" if m["complete"] else "**CUT SHORT: the cells measured so far.** ") +
              f"commit `{m['commit']}`, `{m['command']}`, {m['time']}; torch {m['versions']['torch']}; "
              f"{m['max_tokens']} output tokens per request (ignore_eos), streamed chat requests, "
+             + ("scores computed from rows reduced in the worker (`--scores-on-device`), " if m.get("scores_on_device") else "") +
              f"server starts {m['start_seconds']['vanilla']:.0f} s / {m['start_seconds']['uhead']:.0f} s.", "",
              "| prompt tokens | concurrency | way | output tok/s | vs vanilla | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | "
              "TPOT p50 / p95 (ms) | failed |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine-args", default=None,
                     help="vLLM flags for both servers (default on a GPU: 0.42 of the card each, the same KV size)")
     ap.add_argument("--start-timeout", type=float, default=420)
+    ap.add_argument("--scores-on-device", action="store_true",
+                    help="the uhead server reduces rows to the head's inputs in the worker (serve --scores-on-device)")
     args = ap.parse_args(argv)
     if args.engine_args is None:
         args.engine_args = f"--gpu-memory-utilization 0.42 --kv-cache-memory-bytes {KV_GIB[args.shape] << 30}"
@@ -285,9 +289,11 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": provenance.gpu_name(),
                              "versions": versions(), "shape": args.shape if not args.model else str(model),
                              "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
+                             "scores_on_device": args.scores_on_device,
                              "start_seconds": start_seconds, "complete": False},
                     "cells": [], "uhead_status_after": {}}
-    name = f"serving-bench-{args.shape if not args.model else 'model'}{'-quick' if args.quick else ''}"
+    name = (f"serving-bench-{args.shape if not args.model else 'model'}{'-on-device' if args.scores_on_device else ''}"
+            f"{'-quick' if args.quick else ''}")
 
     def save() -> None:  # after every cell: a run cut short keeps its numbers
         result["meta"].update(time=time.strftime("%Y-%m-%d %H:%M:%S"), duration_s=time.perf_counter() - t_start)

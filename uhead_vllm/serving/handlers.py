@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any, AsyncIterator, Callable
 
 from .record import RequestRecord
@@ -91,7 +92,7 @@ def wrap_handler(handler: Any, method: str, service: UncertaintyService) -> None
         except BadUncertaintyRequest as exc:
             return handler.create_error_response(str(exc))
         finally:
-            service.release_soon(record)
+            service.release_soon(record, early=False)
         return result
 
     setattr(handler, method, create)
@@ -172,7 +173,20 @@ async def _stream(chunks: AsyncIterator[str], record: RequestRecord, service: Un
             service.release_soon(record)
 
 
+#: A chunk in which some choice finished (vLLM writes ``"finish_reason":null`` for running ones).
+_FINISHED = re.compile(r'"finish_reason":\s*"')
+
+
+def _has_news(text: str, record: RequestRecord) -> bool:
+    """Whether a chunk can get uncertainty: a choice finished in it, or a running choice has
+    scored steps or an error not yet sent. Most chunks have none and pass unparsed."""
+    return bool(_FINISHED.search(text)) or any(
+        s.pending_steps or (s.step_error and not s.error_sent) for p in record.prompts for s in p.seqs.values())
+
+
 async def _annotate(text: str, record: RequestRecord, service: UncertaintyService) -> str:
+    if not _has_news(text, record):
+        return text
     events = text.split("\n\n")
     changed = False
     for i, event in enumerate(events):

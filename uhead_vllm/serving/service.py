@@ -75,9 +75,12 @@ class UncertaintyService:
         if record.tags:
             await self._forgets.take(record.tags, 0, lambda rows: None)
 
-    def release_soon(self, record: RequestRecord) -> None:
-        """Release from a cancelled context (client gone): run it as its own task."""
-        self.counters["released_early"] += 1
+    def release_soon(self, record: RequestRecord, early: bool = True) -> None:
+        """Release as a task of its own: from a context that may be cancelled (a client gone),
+        or after a response without waiting for the worker. ``early``: the request did not get its
+        answer (counted as ``released_early``)."""
+        if early:
+            self.counters["released_early"] += 1
         task = asyncio.ensure_future(self.release(record))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
