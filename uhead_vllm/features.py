@@ -350,18 +350,23 @@ def step_token_features(
             f"(prompt_len={prompt_len}); the last sampled token has no row — use clip_span"
         )
     idx = _layer_positions(recipe, hidden.shape[1], captured_layers)
-    rows = hidden[lo:hi, idx, :].to(torch.float32).reshape(len(span), -1)
+    rows = hidden[lo:hi, idx, :]
     k = recipe.logprob_topk
     if k == 0:
-        return rows
+        return rows.to(torch.float32).reshape(len(span), -1)
     if topk_logprobs is None:
         raise ValueError(f"recipe wants logprob_topk={k} but no topk_logprobs were given")
     if topk_logprobs.dim() != 2 or topk_logprobs.shape[1] < k:
         raise ValueError(f"topk_logprobs must be [T_gen, >= {k}], got shape {tuple(topk_logprobs.shape)}")
     if topk_logprobs.shape[0] < span.end:
         raise ValueError(f"span {span} exceeds topk_logprobs rows ({topk_logprobs.shape[0]})")
-    lp = topk_logprobs[span.start : span.end, :k].to(torch.float32)
-    return torch.cat([rows, lp], dim=1)
+    # One pass over the rows: converted as they are written into the feature matrix (no float32
+    # copy of them first): a step's rows are megabytes at 8B, on the server's event loop.
+    width = rows.shape[1] * rows.shape[2]
+    out = torch.empty(len(span), width + k, dtype=torch.float32)
+    out[:, :width].view(len(span), rows.shape[1], rows.shape[2]).copy_(rows)
+    out[:, width:] = topk_logprobs[span.start : span.end, :k]
+    return out
 
 
 def pool(features: torch.Tensor, pooling: Pooling) -> torch.Tensor:
