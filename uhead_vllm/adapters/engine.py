@@ -74,7 +74,7 @@ def send_collective_rpc(llm: Any, method: str, args: tuple) -> Callable[[], list
 
     The engine core handles its input in order, so the call runs on the workers before any request
     sent after it is scheduled: a caller can send its requests at once and read the answer later,
-    instead of first waiting a round trip (~6 ms on an H200 host, session 16). This is what
+    instead of first waiting a round trip (~6 ms on an H200 host). This is what
     ``SyncMPClient.call_utility`` does, without its wait (same in vLLM 0.26 and 0.32)."""
     client = llm.llm_engine.engine_core
     if type(client).__name__ != "SyncMPClient" or not hasattr(client, "utility_results") \

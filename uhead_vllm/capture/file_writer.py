@@ -2,7 +2,7 @@
 
 On the placer path every batch of placed steps goes to pinned memory, then a thread beside the
 engine scatters it into the row file: ~130 MB of host copies per SmolLM2 call at 256 sequences,
-~15 ms inside ``generate`` on an H100 host (docs/gpu.md, session 20). Here the worker registers the
+~15 ms inside ``generate`` on an H100 host (experiments/results/gpu/). Here the worker registers the
 row file with CUDA (``cudaHostRegister``: its pages become pinned and the device writes them at
 the same address), and each flush is two kernel launches on the copy stream (scatter_kernel.py):
 every row's place, ``first + position`` of its slot, claimed so that of rows bound for one place
@@ -11,13 +11,13 @@ their token marks copied into the file by a few programs, so the model keeps the
 Rows past their slot, or of no slot, are not written. The host does no per-row work; prompt rows
 shared by group members are fanned out afterwards by the placer, from the rows already in the file.
 
-Measured on one H100 engine against the placer, calls alternating (docs/gpu.md, session 24): the
+Measured on one H100 engine against the placer, calls alternating (experiments/results/gpu/): the
 8B shape at 256 sequences 11 ms less of the engine thread's time per call, SmolLM2's placer thread
 no longer beside the engine (78 ms of its wall time per call). Without Triton, or where registering
 fails, the placer path stays; so it does where ``FILE_WRITES_ENV`` (:mod:`uhead_vllm.envs`) says ``0``. Torch's ops
 (``index_copy_`` over every SM, a dozen launches a flush) write where the kernels cannot run: on
 CPU, where the tests check them against the placer, and after a kernel failure.
-Registering costs ~0.4 s per GiB (session 17's probe), once per row file (the engine side hands
+Registering costs ~0.4 s per GiB (measured on an H100), once per row file (the engine side hands
 its files out again while nobody holds their rows), and pins the whole file; a file is
 unregistered when the engine side lets go of it.
 """

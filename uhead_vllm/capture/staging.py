@@ -2,7 +2,7 @@
 
 Allocating pinned memory per step (``torch.empty(..., pin_memory=True)``) went through PyTorch's
 caching host allocator on the engine's thread; on an H100 with 256 requests per step that call
-took ~2.5 ms (two per step; bench_recorder, session 9), more than the rest of recording. So:
+took ~2.5 ms (two per step; measured with experiments/gpu/bench_recorder.py), more than the rest of recording. So:
 
 - rows on their way to the placer live in a :class:`PinnedRing`: the placer consumes steps
   strictly in order, and a region is free again once its rows are in their place;

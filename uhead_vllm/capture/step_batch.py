@@ -39,7 +39,7 @@ FLUSH_ROWS = 4096
 #: writes at, so its step graphs). Fewer, larger batches for small batches of sequences (64 steps:
 #: 2 flushes instead of 8 at 16 sequences) were not shown to help: on H100 hosts at 3b34a17 the
 #: engine thread's recording grew (more layouts to capture) and the throughput differences were
-#: within what two identically configured engines differed by (docs/gpu.md, session 20).
+#: within what two identically configured engines differed by (measured on an H100).
 MAX_STEPS = 16
 
 

@@ -4,7 +4,7 @@ With vLLM's engine core in its own process, the worker writes each call's rows i
 shared-memory file that the caller maps too (:class:`~uhead_vllm.capture.protocol.SharedDestination`).
 Every 4 KiB page of a fresh file is allocated and zeroed on its first write: 1.2 GB of rows at 256
 sequences of an 8B-shaped model are ~300k page faults, and on an H100 host they kept the worker's
-row placer busy past the end of the generation (docs/gpu.md, sessions 13-14). A file whose rows
+row placer busy past the end of the generation (measured on an H100; experiments/results/gpu/). A file whose rows
 nobody holds any more is handed out again: its pages exist and both processes still map them, so
 the rows are written at memory speed.
 
