@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 
+from uhead_vllm.client import UncertaintyClient
+
 pytestmark = pytest.mark.slow  # every test here starts an engine, a server or a cluster
 
 Q = "Write three short lines about the sea, one per line."
@@ -109,6 +111,10 @@ def test_stop_above_aborts_the_choice_at_the_step_that_reaches_it(client, server
     assert final["aborted_choices"] == after["aborted_choices"] + 1
     assert final["running_requests"] == 0 and final["server_bytes_held"] == 0
 
+    [typed] = UncertaintyClient(server.url, model="tiny").chat(Q, max_tokens=400, stop_above=limit,
+                                                                  extra_body={"ignore_eos": True})
+    assert typed.finish_reason == "stop_above" and typed.stopped_step == 0 and typed.steps[0].p_wrong == first["p_wrong"]
+
 
 def test_stop_above_stops_only_the_choices_that_reach_it(client):
     """n=3 seeded, non-streamed and streamed: a threshold between the choices' step scores stops the
@@ -138,7 +144,7 @@ def test_stop_above_stops_only_the_choices_that_reach_it(client):
     assert res.usage.completion_tokens < 3 * MAX_TOKENS
 
 
-def test_keep_below_keeps_the_choices_under_it_or_the_best_one_flagged(client):
+def test_keep_below_keeps_the_choices_under_it_or_the_best_one_flagged(client, server):
     """n=4 seeded: the response keeps exactly the choices whose answer P(wrong) is below the threshold
     (their own indices), lists the dropped ones; where none passes, the one with the lowest answer
     P(wrong), marked ``kept: false``. Streamed: every choice comes, its last chunk says ``kept``."""
@@ -158,6 +164,11 @@ def test_keep_below_keeps_the_choices_under_it_or_the_best_one_flagged(client):
     [best] = none.choices
     assert best.index == min(ref, key=ref.get) and best.model_extra["uncertainty"]["kept"] is False
     assert len(none.model_extra["uncertainty"]["dropped"]) == 3
+
+    typed = UncertaintyClient(server.url, model="tiny").chat(
+        Q, n=4, max_tokens=MAX_TOKENS, temperature=1.0, seed=0, logit_bias={NEWLINE: 4}, keep_below=limit,
+        extra_body={"ignore_eos": True})
+    assert [c.index for c in typed] == want and all(c.kept for c in typed)
 
     streamed = collect(chat(client, n=4, stream=True, keep_below=limit))
     assert sorted(streamed) == [0, 1, 2, 3]

@@ -37,6 +37,8 @@ class ScoredChoice:
     answer_p_wrong: float | None
     steps: list[StepScore] = field(default_factory=list)
     rows: dict[str, Any] | None = None  # as sent; decode with :func:`decode_rows`
+    stopped_step: int | None = None  # the step whose P(wrong) reached ``stop_above`` (the choice was stopped)
+    kept: bool | None = None  # ``keep_below``: under the threshold (False: no choice was; the best one)
 
     @classmethod
     def from_openai(cls, choice: Any) -> "ScoredChoice":
@@ -49,7 +51,8 @@ class ScoredChoice:
         message = getattr(choice, "message", None)
         text = message.content if message is not None else choice.text
         return cls(choice.index, text or "", choice.finish_reason, unc.get("answer_p_wrong"),
-                   [StepScore(**s) for s in unc.get("steps", [])], unc.get("rows"))
+                   [StepScore(**s) for s in unc.get("steps", [])], unc.get("rows"), unc.get("stop_step"),
+                   unc.get("kept"))
 
 
 def decode_rows(rows: dict[str, Any]) -> tuple[torch.Tensor, list[int], list[int | str]]:
@@ -74,7 +77,8 @@ class UncertaintyClient:
 
     @staticmethod
     def _body(rows: Sequence[int] | None, max_bytes: int | None, features: bool = False,
-              points: Sequence[Any] | None = None) -> dict[str, Any]:
+              points: Sequence[Any] | None = None, stop_above: float | None = None,
+              keep_below: float | None = None, extra_body: dict | None = None) -> dict[str, Any]:
         spec: dict[str, Any] = {"features": True} if features else {}
         if rows or points:
             spec["rows"] = {"layers": list(rows or [])}
@@ -82,25 +86,34 @@ class UncertaintyClient:
                 spec["rows"]["points"] = [p if isinstance(p, str) else list(p) for p in points]
         if max_bytes:
             spec["max_bytes"] = int(max_bytes)
-        return {"uncertainty": spec or True}
+        for name, value in (("stop_above", stop_above), ("keep_below", keep_below)):
+            if value is not None:
+                spec[name] = float(value)
+        return {**(extra_body or {}), "uncertainty": spec or True}
 
     def chat(self, messages: str | list[dict], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
              features: bool = False, max_tokens: int = 128, temperature: float = 0.0,
-             points: Sequence[Any] | None = None, **kwargs: Any) -> list[ScoredChoice]:
+             points: Sequence[Any] | None = None, stop_above: float | None = None, keep_below: float | None = None,
+             extra_body: dict | None = None, **kwargs: Any) -> list[ScoredChoice]:
         """Answer a question (a string) or a conversation; one :class:`ScoredChoice` per choice.
         ``rows``: layers whose rows to return; ``points``: capture points too (``"mlp_out.14"`` or
-        ``("mlp_out", 14)``, captured by the server); decode them with :func:`decode_rows`."""
+        ``("mlp_out", 14)``, captured by the server); decode them with :func:`decode_rows`.
+        ``stop_above``: stop a choice once a step's P(wrong) reaches it (``finish_reason``
+        "stop_above", ``stopped_step``); ``keep_below``: keep the choices under it (docs/serving.md)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        body = self._body(rows, max_bytes, features, points, stop_above, keep_below, extra_body)
         res = self.openai.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=temperature,
-                                                  extra_body=self._body(rows, max_bytes, features, points), **kwargs)
+                                                  temperature=temperature, extra_body=body, **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]
 
     def complete(self, prompt: str | list[str], *, rows: Sequence[int] | None = None, max_bytes: int | None = None,
                  features: bool = False, max_tokens: int = 128, temperature: float = 0.0,
-                 points: Sequence[Any] | None = None, **kwargs: Any) -> list[ScoredChoice]:
+                 points: Sequence[Any] | None = None, stop_above: float | None = None,
+                 keep_below: float | None = None, extra_body: dict | None = None,
+                 **kwargs: Any) -> list[ScoredChoice]:
+        """As :meth:`chat`, for a prompt or a list of prompts."""
+        body = self._body(rows, max_bytes, features, points, stop_above, keep_below, extra_body)
         res = self.openai.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=temperature,
-                                             extra_body=self._body(rows, max_bytes, features, points), **kwargs)
+                                             temperature=temperature, extra_body=body, **kwargs)
         return [ScoredChoice.from_openai(c) for c in res.choices]
