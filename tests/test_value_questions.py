@@ -62,3 +62,25 @@ def test_reference_answers_grade_right():
         for row in map(json.loads, text.splitlines()[:50]):
             q = tasks.Question(tasks.FILE_TASK, row["id"], row["question"], row["answer"], {})
             assert tasks.grade(q, f"Answer: {row['answer']}")[0], (name, row)
+
+
+def test_a_later_round_leaves_earlier_files_unchanged(monkeypatch):
+    """Tasks added in a later round draw after every split of the earlier rounds."""
+    first = mq.ROUNDS[0]
+    monkeypatch.setattr(mq, "ROUNDS", (first,))
+    monkeypatch.setattr(mq, "TASK_OFFSETS", {t: mq.TASK_OFFSETS[t] for t in first})
+    committed = _committed()
+    built = mq.build()
+    assert {n for n in built if n.endswith(".jsonl")} == {f"{t}.{s}.jsonl" for t in first for s in mq.SPLITS}
+    for name, text in built.items():
+        if name.endswith(".jsonl"):
+            assert committed[name] == text, f"{name} changes when a later round is added"
+
+
+def test_equation_key_ignores_the_variable_letter():
+    def q(equation: str, variable: str) -> tasks.Question:
+        meta = {"equation": equation, "variable": variable}
+        return tasks.Question("simple_equations_easy", "q", f"Solve for {variable}: {equation}", "1", {"metadata": meta})
+
+    assert mq.question_key(q("3*h + 4 = 7", "h")) == mq.question_key(q("3*k + 4 = 7", "k")) == "3*x+4=7"
+    assert mq.question_key(q("3*h + 4 = 7", "h")) != mq.question_key(q("3*h + 5 = 8", "h"))

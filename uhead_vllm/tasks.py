@@ -133,6 +133,44 @@ TASKS: dict[str, TaskSpec] = {
         "basic_arithmetic", {}, "reasoning-gym default: 2-6 terms of 1-4 digits, + - * /, parentheses, negation"
     ),
     "chain_sum_default": TaskSpec("chain_sum", {}, "reasoning-gym default: 2-6 terms of 1-4 digits, + -"),
+    # Intermediate candidates, between the first round's 2-term tasks and the ones above. Easier
+    # ones (2-3 one-digit chain sums, 2-term products below 101) lie wholly inside the expression
+    # spaces the earlier studies used, which the second study's de-duplication excludes.
+    "basic_arithmetic_3x1": TaskSpec(
+        "basic_arithmetic",
+        dict(
+            min_terms=3,
+            max_terms=3,
+            min_digits=1,
+            max_digits=1,
+            operators=("+", "-", "*"),
+            allow_parentheses=False,
+            allow_negation=False,
+        ),
+        "a op b op c, operands 0..10, + - * (the + - only expressions are excluded as earlier sets)",
+    ),
+    "addition_4x1": TaskSpec(
+        "basic_arithmetic",
+        dict(min_terms=4, max_terms=4, min_digits=1, max_digits=1, operators=("+",), allow_parentheses=False,
+             allow_negation=False),
+        "a + b + c + d, operands 0..10: three additions, no negative intermediate",
+    ),
+    "chain_sum_4x1": TaskSpec(
+        "chain_sum",
+        dict(min_terms=4, max_terms=4, min_digits=1, max_digits=1, allow_negation=False),
+        "a +/- b +/- c +/- d with one-digit operands: three operations",
+    ),
+    "addition_2x3": TaskSpec(
+        "basic_arithmetic",
+        dict(min_terms=2, max_terms=2, min_digits=3, max_digits=3, operators=("+",), allow_parentheses=False,
+             allow_negation=False),
+        "a + b, operands 0..1000: one addition with carries",
+    ),
+    "simple_equations_easy": TaskSpec(
+        "simple_equations",
+        dict(min_terms=2, max_terms=2, min_value=1, max_value=12),
+        "one linear equation 'c*x op a = b' (or x op a), values 1..12, integer solution 1..12",
+    ),
 }
 
 

@@ -5,9 +5,10 @@ expression across splits, tasks and every earlier question set (PREREGISTRATION.
     python -m experiments.value.make_questions --check   # exit 1 if the committed files differ
 
 Deterministic: the same reasoning-gym version gives byte-identical files (MANIFEST.json records
-the version and each file's sha256). Splits are drawn test first, then validation, then train,
-each over all tasks, so a larger training split never changes a test question, and a task
-appended to ``TASK_OFFSETS`` never changes an existing task's test file.
+the version and each file's sha256). Tasks come in rounds (``ROUNDS``, the order they were added):
+within a round, splits are drawn test first, then validation, then train, each over the round's
+tasks, so a larger training split never changes a test question; a later round draws after every
+split of the earlier ones, so adding a round never changes an existing file.
 """
 
 from __future__ import annotations
@@ -46,7 +47,18 @@ TASK_OFFSETS: dict[str, int] = {
     "gsm_symbolic": 300_000,
     "basic_arithmetic_default": 400_000,
     "chain_sum_default": 500_000,
+    "basic_arithmetic_3x1": 600_000,
+    "addition_4x1": 700_000,
+    "chain_sum_4x1": 800_000,
+    "addition_2x3": 900_000,
+    "simple_equations_easy": 950_000,
 }
+#: Rounds of tasks, in the order they were added (each a tuple of TASK_OFFSETS keys).
+ROUNDS: tuple[tuple[str, ...], ...] = (
+    ("chain_sum_4", "basic_arithmetic_3", "decimal_chain_sum_3", "gsm_symbolic", "basic_arithmetic_default",
+     "chain_sum_default"),
+    ("basic_arithmetic_3x1", "addition_4x1", "chain_sum_4x1", "addition_2x3", "simple_equations_easy"),
+)
 POOL_FACTOR = 4  # at most this many draws per wanted question; keeps task seed ranges apart
 #: Earlier sets drawn by seed (task, first seed, draws): the first study's held-out chain_sum_3
 #: set (300 questions from seed 600,000), taken as the whole range its selection could use.
@@ -56,9 +68,15 @@ _SPACE = re.compile(r"\s+")
 
 
 def question_key(q: tasks.Question) -> str:
-    """De-duplication key: the expression without whitespace, else the whitespace-folded text."""
-    expr = (q.entry.get("metadata") or {}).get("expression")
-    return _SPACE.sub("", str(expr)) if expr else _SPACE.sub(" ", q.question).strip()
+    """De-duplication key: the expression without whitespace; for an equation, the equation with
+    its variable renamed ``x`` (the same equation in another letter is the same question); else
+    the whitespace-folded text."""
+    meta = q.entry.get("metadata") or {}
+    if meta.get("expression"):
+        return _SPACE.sub("", str(meta["expression"]))
+    if meta.get("equation") and meta.get("variable"):
+        return _SPACE.sub("", re.sub(rf"\b{re.escape(str(meta['variable']))}\b", "x", str(meta["equation"])))
+    return _SPACE.sub(" ", q.question).strip()
 
 
 def _expressions(operands: Iterable[int], ops: str, terms: int) -> Iterator[str]:
@@ -108,12 +126,18 @@ def build() -> dict[str, str]:
         raise RuntimeError(f"reasoning-gym {installed} installed, the files need {REASONING_GYM_VERSION}")
     if max(n for _, n in SPLITS.values()) * POOL_FACTOR > min(b - a for a, b in itertools.pairwise(sorted(TASK_OFFSETS.values()))):
         raise ValueError("task seed ranges overlap: raise the offsets or lower POOL_FACTOR")
+    if max(TASK_OFFSETS.values()) + max(n for _, n in SPLITS.values()) * POOL_FACTOR > min(
+            b - a for a, b in itertools.pairwise(sorted(base for base, _ in SPLITS.values()))):
+        raise ValueError("a task's seed range reaches into another split's")
     earlier = earlier_keys()
     used = set(earlier)
     files: dict[str, str] = {}
     manifest: dict = {"reasoning_gym": REASONING_GYM_VERSION, "splits": {}, "earlier_keys": len(earlier)}
-    for split, (base, want) in SPLITS.items():
-        for task, offset in TASK_OFFSETS.items():
+    if sorted(t for r in ROUNDS for t in r) != sorted(TASK_OFFSETS):
+        raise ValueError("every task of TASK_OFFSETS belongs to exactly one round")
+    for task_round, (split, (base, want)) in itertools.product(ROUNDS, SPLITS.items()):
+        for task in task_round:
+            offset = TASK_OFFSETS[task]
             qs, dropped = _select(task, base + offset, want, used)
             name = f"{task}.{split}.jsonl"
             files[name] = "".join(json.dumps({"id": q.qid, "question": q.question, "answer": q.answer,
