@@ -32,7 +32,7 @@ def test_core_dependencies_leave_out_the_extras():
     for pip_name in ("matplotlib", "hydra-core", "reasoning-gym", "gguf", "accelerate"):
         assert pip_name not in core
     extras = project["optional-dependencies"]
-    assert {"reasoning-gym", "matplotlib"} <= set(extras["study"])
+    assert "matplotlib" in extras["study"] and any(d.startswith("reasoning-gym") for d in extras["study"])
     assert any(d.startswith("hydra-core") for d in extras["polygraph"])
     assert "gguf" in extras["embedded"]
     setup = (REPO / "scripts" / "setup.sh").read_text()

@@ -70,6 +70,24 @@ class SequenceRows:
         return cls(expected, num_rows, rows, valid, **kw)
 
 
+def rows_from(expected: torch.Tensor, start: int,
+              captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, columns: int, hidden_size: int,
+              dtype: torch.dtype) -> torch.Tensor | None:
+    """The rows of positions ``start .. len(expected) - 2`` from the captured ``(positions, input
+    token ids, hidden)`` (checked against ``expected``, the whole sequence's ids), or None where
+    one is missing. Only these rows are assembled: a running sequence's generated rows, at each of
+    its step ends, at a cost that does not grow with the prompt."""
+    num_rows = max(len(expected) - 1 - start, 0)
+    rows = torch.empty((num_rows, columns, hidden_size), dtype=dtype)
+    valid = torch.zeros(num_rows, dtype=torch.bool)
+    if captured is not None:
+        positions, token_ids, hidden = captured
+        mine = (positions >= start).nonzero().flatten()
+        place_rows(expected[start : start + num_rows], num_rows, positions[mine] - start, token_ids[mine],
+                   hidden[mine], rows, valid)
+    return rows if bool(valid.all()) else None
+
+
 @dataclass(frozen=True)
 class Recompute:
     """One request that forwards a sequence again: send ``prompt`` with ``params``; its rows are
@@ -237,4 +255,5 @@ def _place(todo: list[RowsToComplete], requests: list[Recompute], captured: Capt
             raise RuntimeError(f"rows at positions {missing[:10]} could not be computed; this is a bug")
 
 
-__all__ = ["AsyncForward", "Completed", "Forward", "Recompute", "RowCompletion", "RowsToComplete", "SequenceRows"]
+__all__ = ["AsyncForward", "Completed", "Forward", "Recompute", "RowCompletion", "RowsToComplete", "SequenceRows",
+           "rows_from"]

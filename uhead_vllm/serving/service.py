@@ -24,8 +24,7 @@ from ..adapters.server import abort_sample
 from ..capture.points import site_name
 from ..capture.protocol import CapturedRows, CaptureSettings
 from ..generation.backends import AsyncCaptureClient, make_capture_client
-from ..generation.assembly import place_rows
-from ..generation.completion import Recompute, RowCompletion, SequenceRows
+from ..generation.completion import Recompute, RowCompletion, SequenceRows, rows_from
 from .record import RequestRecord, new_tag
 from .scoring import Scorer
 from .spec import BadUncertaintyRequest, ServerLimits, UncertaintySpec
@@ -157,21 +156,13 @@ class UncertaintyService:
     def running_rows(self, record: RequestRecord, prompt_index: int, sample: int) -> torch.Tensor:
         """The generated rows ``[T - 1, columns, H]`` of a running sequence of ``T`` tokens so far
         (a row exists once its token was fed back), from what the worker sent; nothing is completed
-        while it runs. Only these rows are assembled: at each step end of each stream, so its cost
-        must not grow with the prompt. Raises RuntimeError where one is missing (the final object
-        completes it)."""
+        while it runs. Raises RuntimeError where one is missing (the final object completes it)."""
         p = record.prompts[prompt_index]
-        s = p.seqs[sample]
-        n, num_rows = len(p.prompt_token_ids or ()), max(len(s.token_ids) - 1, 0)
-        rows = torch.empty((num_rows, self.settings.num_columns, self.hidden_size), dtype=self.settings.torch_dtype)
-        valid = torch.zeros(num_rows, dtype=torch.bool)
-        captured = record.captured(p.tag, sample)
-        if captured is not None:
-            positions, token_ids, hidden = captured
-            mine = (positions >= n).nonzero().flatten()
-            place_rows(torch.tensor(s.token_ids[:num_rows], dtype=torch.int64), num_rows, positions[mine] - n,
-                       token_ids[mine], hidden[mine], rows, valid)
-        if not bool(valid.all()):
+        prompt = p.prompt_token_ids or []
+        expected = torch.tensor(prompt + p.seqs[sample].token_ids, dtype=torch.int64)
+        rows = rows_from(expected, len(prompt), record.captured(p.tag, sample), self.settings.num_columns,
+                         self.hidden_size, self.settings.torch_dtype)
+        if rows is None:
             raise RuntimeError("rows of a running sequence are missing")
         return rows
 
