@@ -62,29 +62,35 @@ class SequenceRows:
                  captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, columns: int, hidden_size: int,
                  dtype: torch.dtype, **kw: Any) -> "SequenceRows":
         """A sequence whose rows so far are the captured ``(positions, input token ids, hidden)``."""
-        rows = torch.empty((num_rows, columns, hidden_size), dtype=dtype)
-        valid = torch.zeros(num_rows, dtype=torch.bool)
-        if captured is not None:
-            positions, token_ids, hidden = captured
-            place_rows(expected, num_rows, positions, token_ids, hidden, rows, valid)
+        rows, valid = _placed(expected, 0, num_rows, captured, columns, hidden_size, dtype)
         return cls(expected, num_rows, rows, valid, **kw)
 
 
-def rows_from(expected: torch.Tensor, start: int,
-              captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, columns: int, hidden_size: int,
-              dtype: torch.dtype) -> torch.Tensor | None:
-    """The rows of positions ``start .. len(expected) - 2`` from the captured ``(positions, input
-    token ids, hidden)`` (checked against ``expected``, the whole sequence's ids), or None where
-    one is missing. Only these rows are assembled: a running sequence's generated rows, at each of
-    its step ends, at a cost that does not grow with the prompt."""
-    num_rows = max(len(expected) - 1 - start, 0)
+def _placed(ids: torch.Tensor, start: int, num_rows: int,
+            captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, columns: int, hidden_size: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of positions ``start .. start + num_rows - 1`` (``ids``: the sequence's token ids from
+    ``start`` on) from the captured ``(positions, input token ids, hidden)``, and which are valid."""
     rows = torch.empty((num_rows, columns, hidden_size), dtype=dtype)
     valid = torch.zeros(num_rows, dtype=torch.bool)
     if captured is not None:
         positions, token_ids, hidden = captured
-        mine = (positions >= start).nonzero().flatten()
-        place_rows(expected[start : start + num_rows], num_rows, positions[mine] - start, token_ids[mine],
-                   hidden[mine], rows, valid)
+        if start:
+            mine = (positions >= start).nonzero().flatten()
+            positions, token_ids, hidden = positions[mine] - start, token_ids[mine], hidden[mine]
+        place_rows(ids, num_rows, positions, token_ids, hidden, rows, valid)
+    return rows, valid
+
+
+def rows_from(ids: torch.Tensor, start: int,
+              captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, columns: int, hidden_size: int,
+              dtype: torch.dtype) -> torch.Tensor | None:
+    """The rows of positions ``start .. start + len(ids) - 2`` (``ids``: the sequence's token ids
+    from ``start`` on, e.g. its generated ones) from the captured ``(positions, input token ids,
+    hidden)``, checked against ``ids``; None where one is missing. Only these rows are assembled
+    (a running sequence's generated rows at each of its step ends), so the cost does not grow with
+    the prompt."""
+    rows, valid = _placed(ids, start, max(len(ids) - 1, 0), captured, columns, hidden_size, dtype)
     return rows if bool(valid.all()) else None
 
 

@@ -158,10 +158,9 @@ class UncertaintyService:
         (a row exists once its token was fed back), from what the worker sent; nothing is completed
         while it runs. Raises RuntimeError where one is missing (the final object completes it)."""
         p = record.prompts[prompt_index]
-        prompt = p.prompt_token_ids or []
-        expected = torch.tensor(prompt + p.seqs[sample].token_ids, dtype=torch.int64)
-        rows = rows_from(expected, len(prompt), record.captured(p.tag, sample), self.settings.num_columns,
-                         self.hidden_size, self.settings.torch_dtype)
+        generated = torch.tensor(p.seqs[sample].token_ids, dtype=torch.int64)
+        rows = rows_from(generated, len(p.prompt_token_ids or ()), record.captured(p.tag, sample),
+                         self.settings.num_columns, self.hidden_size, self.settings.torch_dtype)
         if rows is None:
             raise RuntimeError("rows of a running sequence are missing")
         return rows
