@@ -167,7 +167,7 @@ def test_missed_forward_is_recomputed_and_counted_apart_from_prefix_cache(llm, t
             assert_rows_match(str(tiny_models["llama"]), s.token_ids, s.hidden, LAYERS, 1e-4)
 
 
-def test_every_checked_version_names_where_its_serve_parser_and_server_live() -> None:
+def test_every_checked_version_names_where_its_serve_parser_lives() -> None:
     from uhead_vllm.adapters.server import SERVE_MODULES
 
     assert set(SERVE_MODULES) == set(SUPPORTED_VLLM)

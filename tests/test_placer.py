@@ -316,6 +316,32 @@ def test_shared_row_files_are_written_again_only_once_nobody_holds_their_rows():
     assert files.keys() == []
 
 
+def test_a_worker_keeps_the_files_of_every_api_server_and_prunes_each_ones_by_its_own_list():
+    """Several API server processes on one engine each have their files: one's list of files it
+    still maps never unmaps another's (its name is gone once mapped: it could not be found again)."""
+    from uhead_vllm.capture.protocol import SharedDestination
+    from uhead_vllm.capture.row_files import open_destination
+    from uhead_vllm.generation.shared_rows import SharedRowFiles
+
+    a, b = SharedRowFiles(keep_idle=0), SharedRowFiles(keep_idle=0)
+    mapped: dict = {}  # the worker's mappings
+    file_a, spec_a, mine_a = _shared(a, (4, 2, 3), {1: (0, 4)})
+    file_b, spec_b, mine_b = _shared(b, (4, 2, 3), {2: (0, 4)})
+    for files, row_file, spec in ((a, file_a, spec_a), (b, file_b, spec_b)):
+        open_destination(SharedDestination.from_json(spec.to_json()), mapped)
+        files.unname(row_file)
+    assert a.owner != b.owner and set(mapped) == {file_a.key, file_b.key}
+    del mine_a
+    gc.collect()  # a's file is idle and unmapped (keep_idle=0): a's next list drops it
+    file_a2, spec_a2, mine_a2 = _shared(a, (4, 2, 3), {3: (0, 4)})
+    theirs = open_destination(SharedDestination.from_json(spec_a2.to_json()), mapped)
+    assert set(mapped) == {file_a2.key, file_b.key}  # b's file stays mapped for b's next call
+    again_b = open_destination(dataclasses.replace(spec_b, keep=tuple(b.keys())), mapped)
+    again_b.buffer.fill_(5.0)
+    theirs.buffer.fill_(6.0)
+    assert bool((mine_b.buffer == 5.0).all()) and bool((mine_a2.buffer == 6.0).all())
+
+
 def test_placed_rows_cross_a_process_boundary_as_a_count():
     from uhead_vllm.capture.protocol import CapturedRows, decode_rows, encode_rows
 

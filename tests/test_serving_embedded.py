@@ -1,9 +1,11 @@
-"""The embedded model with the shipped head, served: the typed client gets the same answers and
-per-step scores as the offline main job (`uhead-vllm answer`) on the same questions."""
+"""The embedded model with the shipped head, served by two API server processes on one engine
+(``--api-server-count 2``, as vLLM scales its front end): the typed client, asking concurrently,
+gets the same answers and per-step scores as the offline main job (`uhead-vllm answer`)."""
 
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,18 +17,27 @@ QUESTIONS = ["What is 7 + 8?", "What is 45 + 38?", "What is 12 * 3?"]
 
 
 def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
+    """Each question asked twice at once, in rounds until both API servers have scored requests
+    (a kernel spreads connections over them): every answer equals the offline job's."""
     from uhead_vllm.client import UncertaintyClient
     from uhead_vllm import answer
 
-    for server in serve([], tmp_path / "server.log"):
+    served = []
+    for server in serve(["--api-server-count", "2"], tmp_path / "server.log"):
         info = server.get_json("/uhead/info")
         client = UncertaintyClient(server.url, max_retries=0, timeout=300)
-        served = [client.chat(info["prompt_template"].replace("{question}", q), max_tokens=info["max_tokens"])[0]
-                  for q in QUESTIONS]
-        status = server.get_json("/uhead/status")
+        prompts = [info["prompt_template"].replace("{question}", q) for q in QUESTIONS] * 2
+        for _ in range(4):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                served.append(list(pool.map(lambda p: client.chat(p, max_tokens=info["max_tokens"])[0], prompts)))
+            statuses = {s["process_id"]: s for s in (server.get_json("/uhead/status") for _ in range(40))}
+            if all(s["row_take_callers"] > 0 for s in statuses.values()) and len(statuses) == 2:
+                break
+    assert len(statuses) == 2 and all(s["row_take_callers"] > 0 for s in statuses.values()), statuses
     offline = answer(QUESTIONS, file=io.StringIO())
+    status = next(iter(statuses.values()))
     assert status["head"] == "default" and status["captured_layers"] == [14, 18, 22]
-    for s, o in zip(served, offline):
+    for s, o in ((s, o) for round_ in served for s, o in zip(round_, offline * 2)):
         assert s.text == o.text
         assert [st.text for st in s.steps] == [st.text for st in o.steps]
         assert s.answer_p_wrong == pytest.approx(o.uncertainty, abs=2e-2)

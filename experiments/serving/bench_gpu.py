@@ -11,7 +11,8 @@ another's prefix cache. Reported per cell: output tokens/s (all requests' tokens
 wall time), p50/p95 time to first token, p50/p95 inter-token latency (gaps between streamed
 chunks that carry token text; ``tokens_per_chunk`` says how many tokens a gap spans), p50/p95 time
 per output token after the first, and for scored requests how long after the last token the step
-scores arrived (``scores_after_last_token_p50_s``).
+scores arrived (``scores_after_last_token_p50_s``). ``--uhead-args`` given more than once measures
+several uhead servers beside one vanilla (e.g. one API server vs ``--api-server-count 4``).
 
     python -m experiments.serving.bench_gpu --tokenizer .gpu/tok --out "$OUT/serving-bench"           # full
     python -m experiments.serving.bench_gpu --tokenizer .gpu/tok --out "$OUT/serving-bench" --quick   # half the requests
@@ -43,7 +44,15 @@ for p in (REPO / "tests", REPO):
 
 from experiments import provenance  # noqa: E402
 
-WAYS = ("vanilla-plain", "uhead-plain", "uhead-scored")
+
+def uhead_names(count: int) -> list[str]:
+    """Names of the uhead servers of a run, one per ``--uhead-args``: uhead, uhead2, ..."""
+    return ["uhead"] + [f"uhead{i}" for i in range(2, count + 1)]
+
+
+def ways_of(servers: list[str]) -> list[str]:
+    """The ways of a run: plain requests on vanilla, then plain and scored requests on each uhead server."""
+    return ["vanilla-plain"] + [f"{s}-{kind}" for s in servers for kind in ("plain", "scored")]
 #: requests per cell by concurrency (full run); --quick halves them
 REQUESTS = {1: 8, 8: 32, 64: 128}
 #: KV cache per server (the same in both; enough for 64 requests of ~1,100 tokens)
@@ -210,16 +219,18 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path)
                                 command=VLLM_SERVE, env={"VLLM_PLUGINS": ""})
     seconds["vanilla"] = time.perf_counter() - t0
     log(f"vanilla vLLM up in {seconds['vanilla']:.0f} s")
-    t0 = time.perf_counter()
     try:
         on_device = ["--scores-on-device"] if args.scores_on_device else []
-        servers["uhead"] = Server(["--model", str(model), "--head", str(head), *on_device, *common],
-                                  work / "uhead.log", timeout=args.start_timeout)
+        for name, flags in zip(uhead_names(len(args.uhead_args)), args.uhead_args):
+            t0 = time.perf_counter()
+            servers[name] = Server(["--model", str(model), "--head", str(head), *on_device, *shlex.split(flags.replace(",", " ")), *common],
+                                   work / f"{name}.log", timeout=args.start_timeout)
+            seconds[name] = time.perf_counter() - t0
+            log(f"uhead-vllm serve {flags} ({name}) up in {seconds[name]:.0f} s")
     except BaseException:
-        servers["vanilla"].stop()
+        for server in servers.values():
+            server.stop()
         raise
-    seconds["uhead"] = time.perf_counter() - t0
-    log(f"uhead-vllm serve up in {seconds['uhead']:.0f} s")
     return servers, seconds
 
 
@@ -233,8 +244,9 @@ def markdown(result: dict) -> str:
              "", ("" if m["complete"] else "**CUT SHORT: the cells measured so far.** ") +
              f"commit `{m['commit']}`, `{m['command']}`, {m['time']}; torch {m['versions']['torch']}; "
              f"{m['max_tokens']} output tokens per request (ignore_eos), streamed chat requests, "
-             + ("scores computed from rows reduced in the worker (`--scores-on-device`), " if m.get("scores_on_device") else "") +
-             f"server starts {m['start_seconds']['vanilla']:.0f} s / {m['start_seconds']['uhead']:.0f} s.", "",
+             + ("scores computed from rows reduced in the worker (`--scores-on-device`), " if m.get("scores_on_device") else "")
+             + "".join(f"`{name}` = uhead-vllm serve `{flags or '(defaults)'}`, " for name, flags in m.get("uhead_servers", {}).items())
+             + "server starts " + " / ".join(f"{k} {v:.0f} s" for k, v in m["start_seconds"].items()) + ".", "",
              "| prompt tokens | concurrency | way | output tok/s | vs vanilla | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | "
              "TPOT p50 / p95 (ms) | failed |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -271,7 +283,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--scores-on-device", action="store_true",
                     help="the uhead server reduces rows to the head's inputs in the worker (serve --scores-on-device)")
+    ap.add_argument("--uhead-args", action="append",
+                    help="more flags for a uhead server, spaces or commas between them, e.g. "
+                         "'--uhead-args=--api-server-count=4,--scores-on-device' (vanilla keeps vLLM's defaults); "
+                         "given again: one more uhead server, measured beside the others (uhead2, ...)")
     args = ap.parse_args(argv)
+    args.uhead_args = args.uhead_args or [""]
     if args.engine_args is None:
         args.engine_args = f"--gpu-memory-utilization 0.42 --kv-cache-memory-bytes {KV_GIB[args.shape] << 30}"
     t_start = time.perf_counter()
@@ -283,13 +300,15 @@ def main(argv: list[str] | None = None) -> dict:
     model, head, layers = prepare(args, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
     servers, start_seconds = start_servers(args, model, head, work)
-    urls = {"vanilla-plain": servers["vanilla"].url, "uhead-plain": servers["uhead"].url,
-            "uhead-scored": servers["uhead"].url}
+    names = uhead_names(len(args.uhead_args))
+    ways = ways_of(names)
+    urls = {way: servers[way.rsplit("-", 1)[0]].url for way in ways}
     command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
     result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": provenance.gpu_name(),
                              "versions": versions(), "shape": args.shape if not args.model else str(model),
                              "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
                              "scores_on_device": args.scores_on_device,
+                             "uhead_servers": dict(zip(names, args.uhead_args)),
                              "start_seconds": start_seconds, "complete": False},
                     "cells": [], "uhead_status_after": {}}
     name = (f"serving-bench-{args.shape if not args.model else 'model'}{'-on-device' if args.scores_on_device else ''}"
@@ -302,22 +321,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     cells = result["cells"]
     try:
-        for way in WAYS:  # warm-up: both prompt lengths, a full batch, untimed
+        for way in ways:  # warm-up: both prompt lengths, a full batch, untimed
             url = urls[way] + "/chat/completions"
             for length in args.prompt_tokens:
                 prompts = make_prompts(tokenizer, min(8, max(args.concurrency)), length, f"warm-{way}", 1)
-                asyncio.run(run_cell(url, [body(p, 16, way == "uhead-scored") for p in prompts], 8, way == "uhead-scored"))
+                asyncio.run(run_cell(url, [body(p, 16, way.endswith("-scored")) for p in prompts], 8,
+                                      way.endswith("-scored")))
         log("warmed up")
         seed = 100
         for length in args.prompt_tokens:
             for c in args.concurrency:
                 count = args.requests or max(c, REQUESTS.get(c, 2 * c) // (2 if args.quick else 1))
                 cell: dict = {"prompt_tokens": length, "concurrency": c, "requests": count, "ways": {}}
-                k = len(cells) % len(WAYS)
-                for way in WAYS[k:] + WAYS[:k]:  # rotated per cell
+                k = len(cells) % len(ways)
+                for way in ways[k:] + ways[:k]:  # rotated per cell
                     seed += 1
                     prompts = make_prompts(tokenizer, count, length, f"{way}-{length}-{c}", seed)
-                    scored = way == "uhead-scored"
+                    scored = way.endswith("-scored")
                     cell["ways"][way] = asyncio.run(run_cell(urls[way] + "/chat/completions",
                                                              [body(p, args.max_tokens, scored) for p in prompts], c, scored))
                     r = cell["ways"][way]
@@ -326,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                         f"failed {r['failed']}")
                 cells.append({**cell, "order": list(cell["ways"])})
                 save()
-        result["uhead_status_after"] = servers["uhead"].get_json("/uhead/status")
+        result["uhead_status_after"] = {n: servers[n].get_json("/uhead/status") for n in names}
         result["meta"]["complete"] = True
     finally:
         for s in servers.values():

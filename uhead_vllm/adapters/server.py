@@ -8,8 +8,9 @@
    capture tag, asks vLLM for the logprobs the head needs, records what vLLM returns and lets the
    server look at each output before the handler does (step scores while a choice runs).
    :func:`abort_sample` ends one sequence of a running call (its siblings run on).
-3. The ``serve`` parser and server: vLLM 0.26 keeps them in ``vllm.entrypoints.openai``, 0.32 in
-   ``vllm.entrypoints.launchers`` (:data:`SERVE_MODULES`).
+3. The ``serve`` parser: vLLM 0.26 keeps it in ``vllm.entrypoints.openai``, 0.32 in
+   ``vllm.entrypoints.launchers`` (:data:`SERVE_MODULES`); the server is ``vllm serve``'s own
+   command (one API server, or several with ``--api-server-count``).
 4. The gate: :func:`install_engine_gate` makes ``AsyncLLM.add_request`` (every route's way into
    the engine) refuse reserved ``extra_args`` keys the server did not write itself, so capture
    tags and steering reach the worker only from the server's own code (:func:`minted`).
@@ -33,10 +34,10 @@ from ..capture.protocol import RequestTag
 from ..errors import ReservedKeysError
 from .versions import SUPPORTED_VLLM, parse_version
 
-#: (major, minor) -> (module of ``make_arg_parser`` / ``validate_parsed_serve_args``, module of ``run_server``).
-SERVE_MODULES: dict[tuple[int, int], tuple[str, str]] = {
-    (0, 26): ("vllm.entrypoints.openai.cli_args", "vllm.entrypoints.openai.api_server"),
-    (0, 32): ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.launchers.api_server.entry"),
+#: (major, minor) -> module of ``make_arg_parser`` / ``validate_parsed_serve_args``.
+SERVE_MODULES: dict[tuple[int, int], str] = {
+    (0, 26): "vllm.entrypoints.openai.cli_args",
+    (0, 32): "vllm.entrypoints.launchers.cli_args",
 }
 
 #: ``vllm_xargs`` key through which the handler marks a request for the tap (never reaches vLLM):
@@ -252,14 +253,14 @@ async def abort_sample(engine: Any, request_id: str, sample: int) -> bool:
     return True
 
 
-def _serve_modules() -> tuple[ModuleType, ModuleType]:
-    """This vLLM's serve-parser and server modules (the newest checked layout for a version allowed
-    outside the checked set)."""
+def _serve_parser_module() -> ModuleType:
+    """This vLLM's serve-parser module (the newest checked layout for a version allowed outside
+    the checked set)."""
     import vllm
 
     version = parse_version(str(vllm.__version__))
-    names = SERVE_MODULES.get(version) or SERVE_MODULES[max(v for v in SERVE_MODULES if v in SUPPORTED_VLLM)]
-    return importlib.import_module(names[0]), importlib.import_module(names[1])
+    name = SERVE_MODULES.get(version) or SERVE_MODULES[max(v for v in SERVE_MODULES if v in SUPPORTED_VLLM)]
+    return importlib.import_module(name)
 
 
 def _prompt_len(prompt: Any) -> int | None:
@@ -272,15 +273,17 @@ def parse_serve_args(argv: list[str], prog: str) -> Any:
     """Parse ``argv`` with vLLM's own ``vllm serve`` parser and validate it."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli_args, _ = _serve_modules()
+    cli_args = _serve_parser_module()
     vargs = cli_args.make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
     cli_args.validate_parsed_serve_args(vargs)
     return vargs
 
 
 def run_api_server(vargs: Any) -> None:
-    """Run vLLM's own OpenAI-compatible API server until it shuts down."""
-    import uvloop
+    """Run vLLM's own OpenAI-compatible server as ``vllm serve`` runs it, until it shuts down:
+    one API server in this process, or with ``--api-server-count N`` the engine core and N API
+    server processes (each builds its app with the middleware; a request's rows are taken by tag
+    by the process that serves it). ``vllm.entrypoints.cli.serve`` in 0.26 and 0.32."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
 
-    _, server = _serve_modules()
-    uvloop.run(server.run_server(vargs))
+    ServeSubcommand.cmd(vargs)

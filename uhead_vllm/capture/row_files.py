@@ -39,14 +39,23 @@ def file_views(flat: torch.Tensor, shape: tuple[int, int, int], dtype: str) -> t
     return byte_rows, flat[at : at + 4 * (rows + 1)].view(torch.int32)
 
 
+def key_owner(key: str) -> str:
+    """The engine side that made a file, from the file's key (``owner.file``): each process that
+    maps row files (an API server of several on one engine) prunes only its own."""
+    return key.split(".", 1)[0]
+
+
 def open_destination(spec: SharedDestination, mapped: dict[str, torch.Tensor] | None = None) -> RowDestination:
     """Map the engine side's file as the destination buffer; with ``mapped`` (the worker's
     mappings by key, kept across calls) reuse this file's mapping and unmap the files the
-    engine side let go of. Raises ``FileNotFoundError`` unless this is that very file (same
-    device and inode): a worker on another host must never write rows into a file of its
-    own that the engine side cannot see."""
-    if mapped is not None:
-        for gone in set(mapped) - set(spec.keep):
+    engine side let go of: the files of the spec's owner (:func:`key_owner`) that ``keep`` no
+    longer lists, so that the files of other API server processes on the same engine stay
+    mapped. Raises ``FileNotFoundError`` unless this is that very file (same device and inode):
+    a worker on another host must never write rows into a file of its own that the engine side
+    cannot see."""
+    if mapped is not None and spec.key:
+        owner = key_owner(spec.key)
+        for gone in {k for k in mapped if key_owner(k) == owner} - set(spec.keep):
             del mapped[gone]
     flat = mapped.get(spec.key) if mapped is not None and spec.key else None
     if flat is None:

@@ -53,6 +53,7 @@ class SharedRowFiles:
         self.directory = directory
         self.keep_idle = keep_idle
         self._files: list[RowFile] = []
+        self.owner = secrets.token_hex(4)  # the key prefix of this process's files (row_files.key_owner)
         # Finalizers may run in any thread, and in this one while it holds the lock (a garbage
         # collection inside take): reentrant.
         self._lock = threading.RLock()
@@ -126,7 +127,7 @@ class SharedRowFiles:
             raise
         finally:
             os.close(fd)
-        row_file = RowFile(secrets.token_hex(8), path, (st.st_dev, st.st_ino), size, memory)
+        row_file = RowFile(f"{self.owner}.{secrets.token_hex(8)}", path, (st.st_dev, st.st_ino), size, memory)
         with self._lock:
             self._files.append(row_file)
             self.created += 1

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import uuid
 from typing import Any, cast
 
@@ -287,9 +288,11 @@ class UncertaintyService:
                 "larger max_bytes")
 
     async def status(self) -> dict[str, Any]:
-        """Memory and counters: what the server and the worker hold now (for tests and ops)."""
+        """Memory and counters: what the server and the worker hold now (for tests and ops). With
+        several API server processes (``--api-server-count``) the server's part is the answering
+        process's (``process_id``); the worker's is the engine's."""
         worker = await self.capture.status()
-        return {"running_requests": len(self.registry), "worker_bytes_held": worker.get("bytes_held", 0),
+        return {"process_id": os.getpid(), "running_requests": len(self.registry), "worker_bytes_held": worker.get("bytes_held", 0),
                 "worker_tags_refused": {k: v for k, v in worker.items() if k.startswith("tags_")},
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
                 "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
