@@ -203,10 +203,12 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path, list[int]
     return model, build_tiny_head(model, work / "head", layers), layers
 
 
-def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path) -> tuple[dict[str, Any], dict[str, float]]:
-    """Vanilla vLLM's server, then ``uhead-vllm serve``, one after the other (a start beside a
+def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
+                  ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
+    """Vanilla vLLM's server, then each ``uhead-vllm serve``, one after the other (a start beside a
     starting server could count its memory as its own). Vanilla gets no plugin (``VLLM_PLUGINS``
-    empty), so its engine is stock vLLM even where uhead_vllm is installed."""
+    empty), so its engine is stock vLLM even where uhead_vllm is installed. A uhead server that
+    does not start is left out (its reason returned), so the others are still measured."""
     from serving_server import VLLM_SERVE, Server
 
     common = ["--served-model-name", "bench", *shlex.split(args.engine_args)]
@@ -214,6 +216,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path)
         common += ["--load-format", "dummy"]
     servers: dict[str, Any] = {}
     seconds: dict[str, float] = {}
+    failed: dict[str, str] = {}
     t0 = time.perf_counter()
     servers["vanilla"] = Server(["--model", str(model), "--seed", "0", *common], work / "vanilla.log", timeout=args.start_timeout,
                                 command=VLLM_SERVE, env={"VLLM_PLUGINS": ""})
@@ -223,15 +226,25 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path)
         on_device = ["--scores-on-device"] if args.scores_on_device else []
         for name, flags in zip(uhead_names(len(args.uhead_args)), args.uhead_args):
             t0 = time.perf_counter()
-            servers[name] = Server(["--model", str(model), "--head", str(head), *on_device, *shlex.split(flags.replace(",", " ")), *common],
-                                   work / f"{name}.log", timeout=args.start_timeout)
+            try:
+                servers[name] = Server(["--model", str(model), "--head", str(head), *on_device,
+                                        *shlex.split(flags.replace(",", " ")), *common],
+                                       work / f"{name}.log", timeout=args.start_timeout)
+            except (RuntimeError, TimeoutError) as exc:
+                failed[name] = str(exc)[-2000:]
+                log(f"uhead-vllm serve {flags} ({name}) did not start: {str(exc)[-300:]}")
+                continue
             seconds[name] = time.perf_counter() - t0
             log(f"uhead-vllm serve {flags} ({name}) up in {seconds[name]:.0f} s")
     except BaseException:
         for server in servers.values():
             server.stop()
         raise
-    return servers, seconds
+    if not failed.keys() < set(uhead_names(len(args.uhead_args))):
+        for server in servers.values():
+            server.stop()
+        raise RuntimeError(f"no uhead server started: {failed}")
+    return servers, seconds, failed
 
 
 def log(msg: str) -> None:
@@ -262,6 +275,8 @@ def markdown(result: dict) -> str:
                          f"{'-' if tps is None else f'{tps:.0f}'} | {ratio} | {ms(r.get('ttft_p50_s'))} / "
                          f"{ms(r.get('ttft_p95_s'))} | {ms(r.get('itl_p50_s'))} / {ms(r.get('itl_p95_s'))} | "
                          f"{ms(r.get('tpot_p50_s'))} / {ms(r.get('tpot_p95_s'))} | {r.get('failed', '-')} |")
+    if m.get("start_failures"):
+        lines += ["", "Did not start (their logs in the JSON): " + ", ".join(f"`{n}`" for n in m["start_failures"]) + "."]
     lines += ["", "Targets (issue: the server at vLLM's speed): at concurrency 64, scored ≥ 0.95x vanilla "
               "throughput and ≤ +5% p50 inter-token latency; plain requests on uhead ≥ 0.99x vanilla."]
     return "\n".join(lines) + "\n"
@@ -299,8 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     model, head, layers = prepare(args, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    servers, start_seconds = start_servers(args, model, head, work)
-    names = uhead_names(len(args.uhead_args))
+    servers, start_seconds, start_failures = start_servers(args, model, head, work)
+    names = [n for n in uhead_names(len(args.uhead_args)) if n in servers]
     ways = ways_of(names)
     urls = {way: servers[way.rsplit("-", 1)[0]].url for way in ways}
     command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -308,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "versions": versions(), "shape": args.shape if not args.model else str(model),
                              "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
                              "scores_on_device": args.scores_on_device,
-                             "uhead_servers": dict(zip(names, args.uhead_args)),
+                             "uhead_servers": dict(zip(uhead_names(len(args.uhead_args)), args.uhead_args)),
+                             "start_failures": start_failures,
                              "start_seconds": start_seconds, "complete": False},
                     "cells": [], "uhead_status_after": {}}
     name = (f"serving-bench-{args.shape if not args.model else 'model'}{'-on-device' if args.scores_on_device else ''}"
