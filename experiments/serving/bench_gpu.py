@@ -211,7 +211,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
     does not start is left out (its reason returned), so the others are still measured."""
     from serving_server import VLLM_SERVE, Server
 
-    common = ["--served-model-name", "bench", *shlex.split(args.engine_args)]
+    common = ["--served-model-name", "bench", *shlex.split(args.engine_args.replace(",", " "))]
     if not args.model:
         common += ["--load-format", "dummy"]
     servers: dict[str, Any] = {}
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=0, help="requests per cell (default: by concurrency, see REQUESTS)")
     ap.add_argument("--quick", action="store_true", help="half the requests per cell")
     ap.add_argument("--engine-args", default=None,
-                    help="vLLM flags for both servers (default on a GPU: 0.42 of the card each, the same KV size)")
+                    help="vLLM flags for every server, spaces or commas between them (default on a GPU: 0.42 of the card "
+                         "each, the same KV size)")
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--scores-on-device", action="store_true",
                     help="the uhead server reduces rows to the head's inputs in the worker (serve --scores-on-device)")
