@@ -7,8 +7,8 @@
 # Environment: TORCH_VERSION (2.13.0), TRITON_VERSION (3.7.1), EXTRA_WHEELS ("name==ver ..."; e.g.
 # nvidia-cudnn-cu13==9.20.0.48 if the image's cuDNN proves too old), VLLM_WHEELS (a pins file, one
 # "name==ver" a line: a CUDA vLLM and what it imports that the image lacks, e.g.
-# experiments/gpu/vllm_0.32_wheels.txt; its stream comes last), PART_MIB (47: a part plus the
-# ~14 MiB working tree must stay under the 64 MiB a call carries).
+# experiments/gpu/vllm_0.32_wheels.txt; its stream comes last), PART_MIB (38: a part plus the
+# ~21 MiB working tree must stay under the 64 MiB a call carries).
 # What it does, and why:
 # - downloads the wheels with `pip download --no-deps` for cp312 / manylinux_2_28 (the machine's Python);
 #   torch's nvidia-* libraries are NOT carried: torch loads them by soname and the image has cu13 ones;
@@ -27,7 +27,7 @@
 set -euo pipefail
 TORCH=${TORCH_VERSION:-2.13.0}
 TRITON=${TRITON_VERSION:-3.7.1}
-PART_MIB=${PART_MIB:-47}
+PART_MIB=${PART_MIB:-38}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(git rev-parse --show-toplevel)
 DEST=${1:-$ROOT/.gpunew}
