@@ -30,6 +30,20 @@ from uhead_vllm.models import embedded_model_path  # noqa: E402
 from serving_server import client, head_path, server  # noqa: E402,F401  (one serving session for the suite)
 from multiprocess_engine import multiprocess_run  # noqa: E402,F401  (one multiprocess engine for the suite)
 
+#: Modules that use the session server (serving_server.py): one worker runs them all.
+SERVER_MODULES = frozenset({"test_serving.py", "test_serving_control.py", "test_serving_faults.py",
+                            "test_serving_page.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist's ``--dist loadgroup`` (the README's command: two workers), a module's tests
+    stay on one worker, so its module-scoped engines start once, and the modules of the session
+    server share one worker, so the server starts once. Without xdist the marks do nothing."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("server" if name in SERVER_MODULES else name))
+
+
 # name -> (arch, vocab_pad)
 TINY_MODEL_SPECS: dict[str, tuple[str, int]] = {
     "llama": ("llama", 0),
