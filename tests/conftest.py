@@ -35,13 +35,21 @@ SERVER_MODULES = frozenset({"test_serving.py", "test_serving_control.py", "test_
                             "test_serving_page.py"})
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist's ``--dist loadgroup`` (the README's command: two workers), a module's tests
-    stay on one worker, so its module-scoped engines start once, and the modules of the session
-    server share one worker, so the server starts once. Without xdist the marks do nothing."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("server" if name in SERVER_MODULES else name))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist's ``--dist loadfile`` (the README's command: two workers), a module's
+    tests run on one worker (its module-scoped engines start once) and the modules of the session
+    server share one (the server starts once). Any other ``--dist`` keeps xdist's own scheduling
+    (the GPU tests spread one module's cases over workers)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModulesAndServer(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "server" if Path(path).name in SERVER_MODULES else path
+
+    return ModulesAndServer(config, log)
 
 
 # name -> (arch, vocab_pad)

