@@ -7,6 +7,7 @@ reads most of them once when it is first imported.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -19,6 +20,13 @@ CACHE_ROOT = REPO_ROOT / ".cache"
 # not be pip-installed yet.
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one thread each (vLLM's CPU kernels check the thread count an
+    # attention call was planned with), and vLLM's engines left unbound, so that the two workers'
+    # engines do not share the core vLLM's automatic binding picks for both.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from uhead_vllm.runtime import set_env_defaults  # noqa: E402  (does not import vLLM)
 
@@ -33,21 +41,40 @@ from multiprocess_engine import multiprocess_run  # noqa: E402,F401  (one multip
 #: Modules that use the session server (serving_server.py): one worker runs them all.
 SERVER_MODULES = frozenset({"test_serving.py", "test_serving_control.py", "test_serving_faults.py",
                             "test_serving_page.py"})
+#: The longest scopes (≥ 90 s each on two cores), handed out first so that no worker ends alone on one.
+LONGEST_FIRST = ("server", "test_architectures.py", "test_scaleout_ray.py", "test_capture.py",
+                 "test_serving_embedded.py", "test_speculative_tp.py")
+
+
+def _scope(nodeid: str) -> str:
+    """A test's unit of work for xdist: its module, or ``server`` for the session server's modules."""
+    path = nodeid.split("::", 1)[0]
+    return "server" if Path(path).name in SERVER_MODULES else path
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist's ``--dist loadfile`` (the README's command: two workers), a module's
-    tests run on one worker (its module-scoped engines start once) and the modules of the session
-    server share one (the server starts once). Any other ``--dist`` keeps xdist's own scheduling
-    (the GPU tests spread one module's cases over workers)."""
+    tests run on one worker (its module-scoped engines start once), the modules of the session
+    server share one (the server starts once), and the longest scopes go out first. Any other
+    ``--dist`` keeps xdist's own scheduling (the GPU tests spread one module's cases over workers)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    def rank(nodeid: str) -> int:
+        scope = Path(_scope(nodeid)).name
+        return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+
     class ModulesAndServer(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "server" if Path(path).name in SERVER_MODULES else path
+            return _scope(nodeid)
+
+        def schedule(self) -> None:
+            if self.collection is None:  # the first distribution: the longest scopes first
+                config.option.loadscopereorder = False
+                for node, ids in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(ids, key=rank)
+            super().schedule()
 
     return ModulesAndServer(config, log)
 
