@@ -52,6 +52,7 @@ def _scope(nodeid: str) -> str:
     return "server" if Path(path).name in SERVER_MODULES else path
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a venv without xdist runs the suite too
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist's ``--dist loadfile`` (the README's command: two workers), a module's
     tests run on one worker (its module-scoped engines start once), the modules of the session
