@@ -21,10 +21,11 @@ CACHE_ROOT = REPO_ROOT / ".cache"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores: one thread each (vLLM's CPU kernels check the thread count an
-    # attention call was planned with), and vLLM's engines left unbound, so that the two workers'
-    # engines do not share the core vLLM's automatic binding picks for both.
+if os.environ.get("PYTEST_XDIST_WORKER") and not Path("/dev/nvidiactl").exists():
+    # Workers on a CPU machine (CI: two on two cores): one thread each (vLLM's CPU kernels check
+    # the thread count an attention call was planned with), and vLLM's engines left unbound, so
+    # that the workers' engines do not share the core vLLM's automatic binding picks for all.
+    # GPU runs (tests/gpu -n 5) keep their threads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
