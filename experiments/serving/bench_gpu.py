@@ -53,6 +53,13 @@ def uhead_names(count: int) -> list[str]:
 def ways_of(servers: list[str]) -> list[str]:
     """The ways of a run: plain requests on vanilla, then plain and scored requests on each uhead server."""
     return ["vanilla-plain"] + [f"{s}-{kind}" for s in servers for kind in ("plain", "scored")]
+
+
+def split_flags(text: str) -> list[str]:
+    """Command-line flags given as one string, spaces or commas between them (device scripts split
+    their variables at spaces, so ``--uhead-args=--api-server-count=4,--scores-on-device``)."""
+    return shlex.split(text.replace(",", " "))
+
 #: requests per cell by concurrency (full run); --quick halves them
 REQUESTS = {1: 8, 8: 32, 64: 128}
 #: KV cache per server (the same in both; enough for 64 requests of ~1,100 tokens)
@@ -211,7 +218,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
     does not start is left out (its reason returned), so the others are still measured."""
     from serving_server import VLLM_SERVE, Server
 
-    common = ["--served-model-name", "bench", *shlex.split(args.engine_args.replace(",", " "))]
+    common = ["--served-model-name", "bench", *split_flags(args.engine_args)]
     if not args.model:
         common += ["--load-format", "dummy"]
     servers: dict[str, Any] = {}
@@ -228,7 +235,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
             t0 = time.perf_counter()
             try:
                 servers[name] = Server(["--model", str(model), "--head", str(head), *on_device,
-                                        *shlex.split(flags.replace(",", " ")), *common],
+                                        *split_flags(flags), *common],
                                        work / f"{name}.log", timeout=args.start_timeout)
             except (RuntimeError, TimeoutError) as exc:
                 failed[name] = str(exc)[-2000:]
@@ -240,7 +247,7 @@ def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
         for server in servers.values():
             server.stop()
         raise
-    if not failed.keys() < set(uhead_names(len(args.uhead_args))):
+    if list(servers) == ["vanilla"]:
         for server in servers.values():
             server.stop()
         raise RuntimeError(f"no uhead server started: {failed}")
@@ -316,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, head, layers = prepare(args, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
     servers, start_seconds, start_failures = start_servers(args, model, head, work)
-    names = [n for n in uhead_names(len(args.uhead_args)) if n in servers]
+    configured = dict(zip(uhead_names(len(args.uhead_args)), args.uhead_args))
+    names = [n for n in configured if n in servers]
     ways = ways_of(names)
     urls = {way: servers[way.rsplit("-", 1)[0]].url for way in ways}
     command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "versions": versions(), "shape": args.shape if not args.model else str(model),
                              "max_tokens": args.max_tokens, "engine_args": args.engine_args, "head_layers": layers,
                              "scores_on_device": args.scores_on_device,
-                             "uhead_servers": dict(zip(uhead_names(len(args.uhead_args)), args.uhead_args)),
+                             "uhead_servers": configured,
                              "start_failures": start_failures,
                              "start_seconds": start_seconds, "complete": False},
                     "cells": [], "uhead_status_after": {}}

@@ -129,12 +129,12 @@ def build() -> dict[str, str]:
     if max(TASK_OFFSETS.values()) + max(n for _, n in SPLITS.values()) * POOL_FACTOR > min(
             b - a for a, b in itertools.pairwise(sorted(base for base, _ in SPLITS.values()))):
         raise ValueError("a task's seed range reaches into another split's")
+    if sorted(t for r in ROUNDS for t in r) != sorted(TASK_OFFSETS):
+        raise ValueError("every task of TASK_OFFSETS belongs to exactly one round")
     earlier = earlier_keys()
     used = set(earlier)
     files: dict[str, str] = {}
     manifest: dict = {"reasoning_gym": REASONING_GYM_VERSION, "splits": {}, "earlier_keys": len(earlier)}
-    if sorted(t for r in ROUNDS for t in r) != sorted(TASK_OFFSETS):
-        raise ValueError("every task of TASK_OFFSETS belongs to exactly one round")
     for task_round, (split, (base, want)) in itertools.product(ROUNDS, SPLITS.items()):
         for task in task_round:
             offset = TASK_OFFSETS[task]

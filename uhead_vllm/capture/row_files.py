@@ -12,6 +12,7 @@ rows it must not keep (past a slot, of no slot) there instead of branching on th
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 
@@ -37,6 +38,12 @@ def file_views(flat: torch.Tensor, shape: tuple[int, int, int], dtype: str) -> t
     at = _aligned(nbytes)
     byte_rows = flat[:nbytes].view(rows + 1, layers * hidden * DTYPES[dtype].itemsize)
     return byte_rows, flat[at : at + 4 * (rows + 1)].view(torch.int32)
+
+
+def file_key(owner: str) -> str:
+    """A new file's key, ``owner.file``: unique for the file's life, and naming the engine side
+    that made it (:func:`key_owner`)."""
+    return f"{owner}.{secrets.token_hex(8)}"
 
 
 def key_owner(key: str) -> str:

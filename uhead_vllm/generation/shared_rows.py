@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..capture.row_files import file_key
+
 #: Where shared row files live (a RAM-backed file system on Linux).
 SHARED_MEMORY_DIR = "/dev/shm"
 
@@ -127,7 +129,7 @@ class SharedRowFiles:
             raise
         finally:
             os.close(fd)
-        row_file = RowFile(f"{self.owner}.{secrets.token_hex(8)}", path, (st.st_dev, st.st_ino), size, memory)
+        row_file = RowFile(file_key(self.owner), path, (st.st_dev, st.st_ino), size, memory)
         with self._lock:
             self._files.append(row_file)
             self.created += 1
