@@ -3,6 +3,8 @@ gate on reserved keys, the rows budget per response, and the worker's fetch by t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -292,3 +294,42 @@ def test_steering_that_overflows_is_refused_and_scores_stay_json():
     obj = finite_scores({"answer_p_wrong": float("nan"), "steps": [{"p_wrong": float("inf"), "features": [1.0, float("nan")]}]})
     assert json.loads(json.dumps(obj, allow_nan=False)) == {"answer_p_wrong": None,
                                                             "steps": [{"p_wrong": None, "features": [1.0, None]}]}
+
+
+class _DeviceProgress:
+    """Stands in for a CUDA event of a step still running on the device (query: done yet?)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        assert self.done, "a tag take waited for a forward that still runs"
+
+
+def test_tag_takes_never_wait_for_a_running_forward_and_forgotten_rows_leave_once_it_is_done():
+    """Under async scheduling the engine core answers a take while the next step still runs: its
+    rows stay held (the caller has not seen its tokens), the take does not wait, the next take
+    brings them, and a forget drops them as soon as that step's copy is done."""
+    rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
+    _step(rec, {"a": 3, "b": 2}, {"a": RequestTag(1, 0).to_extra_args(), "b": RequestTag(2, 0).to_extra_args()})
+    held = rec.held
+    done, running = _DeviceProgress(), _DeviceProgress()
+    done.done = True
+    first = held.steps[0]
+    held.steps = [replace(first, computed=done, copied=done),
+                  replace(first, hidden=-1 - first.hidden, computed=running, copied=running)]
+    got = rec.take_tags([1, 2])
+    assert got.num_rows == 5 and bool((got.hidden >= 0).all()) and done.waited == 1 and running.waited == 0
+    assert len(held.steps) == 1 and rec.bytes_held == 5 * 2 * 4 * 4
+    rec.take_tags([2], forget=True)  # the running step's rows of tag 2 go once it is done
+    assert running.waited == 0 and rec.bytes_held == 5 * 2 * 4 * 4
+    running.done = True
+    held.settle()
+    assert rec.bytes_held == 3 * 2 * 4 * 4  # tag 1's three rows of the finished step
+    later = rec.take_tags([1, 2])
+    assert later.tags.tolist() == [1, 1, 1] and bool((later.hidden < 0).all()) and rec.bytes_held == 0

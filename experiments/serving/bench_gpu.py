@@ -50,9 +50,11 @@ def uhead_names(count: int) -> list[str]:
     return ["uhead"] + [f"uhead{i}" for i in range(2, count + 1)]
 
 
-def ways_of(servers: list[str]) -> list[str]:
-    """The ways of a run: plain requests on vanilla, then plain and scored requests on each uhead server."""
-    return ["vanilla-plain"] + [f"{s}-{kind}" for s in servers for kind in ("plain", "scored")]
+def ways_of(servers: list[str], vanilla_logprobs: int = 0) -> list[str]:
+    """The ways of a run: plain requests on vanilla (and, with ``vanilla_logprobs``, requests that
+    ask vanilla for the top-k logprobs a head reads), then plain and scored requests on each uhead server."""
+    return (["vanilla-plain"] + (["vanilla-logprobs"] if vanilla_logprobs else [])
+            + [f"{s}-{kind}" for s in servers for kind in ("plain", "scored")])
 
 
 def split_flags(text: str) -> list[str]:
@@ -174,11 +176,13 @@ def summarise(results: list[dict], wall: float) -> dict:
             else None}
 
 
-def body(prompt: str, max_tokens: int, scored: bool) -> dict:
+def body(prompt: str, max_tokens: int, scored: bool, logprobs: int = 0) -> dict:
     b: dict = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                "ignore_eos": True, "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
     if scored:
         b["uncertainty"] = True
+    if logprobs:
+        b.update(logprobs=True, top_logprobs=logprobs)
     return b
 
 
@@ -310,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="more flags for a uhead server, spaces or commas between them, e.g. "
                          "'--uhead-args=--api-server-count=4,--scores-on-device' (vanilla keeps vLLM's defaults); "
                          "given again: one more uhead server, measured beside the others (uhead2, ...)")
+    ap.add_argument("--vanilla-logprobs", type=int, default=0,
+                    help="also measure vanilla serving requests that ask for this many top logprobs (what the "
+                         "bench's head reads, 3): the share of a scored request's cost that is vLLM's logprobs")
     args = ap.parse_args(argv)
     args.uhead_args = args.uhead_args or [""]
     if args.engine_args is None:
@@ -325,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     servers, start_seconds, start_failures = start_servers(args, model, head, work)
     configured = dict(zip(uhead_names(len(args.uhead_args)), args.uhead_args))
     names = [n for n in configured if n in servers]
-    ways = ways_of(names)
+    ways = ways_of(names, args.vanilla_logprobs)
     urls = {way: servers[way.rsplit("-", 1)[0]].url for way in ways}
     command = "python -m experiments.serving.bench_gpu " + shlex.join(argv if argv is not None else sys.argv[1:])
     result: dict = {"meta": {"commit": provenance.commit(), "command": command.strip(), "gpu": provenance.gpu_name(),
@@ -345,12 +352,16 @@ def main(argv: list[str] | None = None) -> dict:
         (out / f"{name}.md").write_text(markdown(result))
 
     cells = result["cells"]
+
+    def lp(way: str) -> int:
+        return args.vanilla_logprobs if way == "vanilla-logprobs" else 0
+
     try:
         for way in ways:  # warm-up: both prompt lengths, a full batch, untimed
             url = urls[way] + "/chat/completions"
             for length in args.prompt_tokens:
                 prompts = make_prompts(tokenizer, min(8, max(args.concurrency)), length, f"warm-{way}", 1)
-                asyncio.run(run_cell(url, [body(p, 16, way.endswith("-scored")) for p in prompts], 8,
+                asyncio.run(run_cell(url, [body(p, 16, way.endswith("-scored"), lp(way)) for p in prompts], 8,
                                       way.endswith("-scored")))
         log("warmed up")
         seed = 100
@@ -364,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
                     prompts = make_prompts(tokenizer, count, length, f"{way}-{length}-{c}", seed)
                     scored = way.endswith("-scored")
                     cell["ways"][way] = asyncio.run(run_cell(urls[way] + "/chat/completions",
-                                                             [body(p, args.max_tokens, scored) for p in prompts], c, scored))
+                                                             [body(p, args.max_tokens, scored, lp(way)) for p in prompts],
+                                                             c, scored))
                     r = cell["ways"][way]
                     log(f"prompt {length} c={c} {way}: {r['output_tok_per_s'] or 0:.0f} tok/s, "
                         f"TTFT p50 {1000 * (r['ttft_p50_s'] or 0):.0f} ms, ITL p50 {1000 * (r['itl_p50_s'] or 0):.1f} ms, "

@@ -311,7 +311,10 @@ class UheadCaptureExtension:
         if rec is None:
             return json.dumps({"recording": False})
         route, runner = getattr(adapters.worker_runner(self), _ROUTE_ATTR)
+        rec.held.settle()  # rows of forgotten tags whose forward ran on after the take
         return json.dumps({"recording": True, "settings": rec.settings.to_dict(), "aux_layers": list(rec.aux_layers),
                            "route": route, "runner": runner, "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error, **rec.tags.counters(),
+                           "forwards_recorded": rec.forwards_recorded, "record_seconds": round(rec.record_seconds, 6),
+                           "tag_takes": rec.tag_takes, "tag_take_seconds": round(rec.tag_take_seconds, 6),
                            "vllm_supported": adapters.supported_text()})

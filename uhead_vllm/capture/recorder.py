@@ -63,6 +63,8 @@ class RowRecorder:
         self.chunks_recorded = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
         self.scheduled_rows = 0  # tagged rows scheduled in the step that is running now
         self.record_seconds = 0.0  # host time the engine's thread spent in the recorder (this generation)
+        self.tag_takes = 0  # a server's tag takes, and the engine thread's time in them (since the start)
+        self.tag_take_seconds = 0.0
         self.destination: RowDestination | None = None  # rows go here during the generation
         self._batch: BatchFacts | None = None  # the last forward's batch facts (None: rebuild)
         copies = CopyStream()
@@ -250,7 +252,10 @@ class RowRecorder:
         if forget:
             self.tags.forget({int(t) for t in tags})
             self._batch = None
-        rows = self.held.take_tags(tags)
+        start = time.perf_counter()
+        rows = self.held.take_tags(tags, forget)
+        self.tag_takes += 1
+        self.tag_take_seconds += time.perf_counter() - start
         # A recorder error (budget) dropped every request's rows: report it once; the caller
         # recomputes what is missing.
         rows.error, self.error = self.error, None
