@@ -63,8 +63,9 @@ class RowRecorder:
         self.chunks_recorded = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
         self.scheduled_rows = 0  # tagged rows scheduled in the step that is running now
         self.record_seconds = 0.0  # host time the engine's thread spent in the recorder (this generation)
+        self.record_cpu_seconds = 0.0  # the part of it the thread ran (the rest: waiting for the GIL or the device)
         self.tag_takes = 0  # a server's tag takes, and the engine thread's time in them (since the start)
-        self.tag_take_seconds = 0.0
+        self.tag_take_seconds = self.tag_take_cpu_seconds = 0.0
         self.destination: RowDestination | None = None  # rows go here during the generation
         self._batch: BatchFacts | None = None  # the last forward's batch facts (None: rebuild)
         copies = CopyStream()
@@ -98,11 +99,12 @@ class RowRecorder:
 
     # ------------------------------------------------------------------ schedule
     def on_schedule(self, step: ScheduledStep) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             self._schedule(step)
         finally:
             self.record_seconds += time.perf_counter() - start
+            self.record_cpu_seconds += time.thread_time() - cpu
 
     def _schedule(self, step: ScheduledStep) -> None:
         if step.new_requests or step.finished_req_ids:
@@ -137,11 +139,12 @@ class RowRecorder:
         """Record the tagged rows of one forward. ``streams`` (layer-hook route) replace
         ``step.aux``; both are in sorted HF-index order. ``points`` are the sublayer sites'
         values in ``settings.points`` order (columns after the layers)."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             self._record(step, streams, points)
         finally:
             self.record_seconds += time.perf_counter() - start
+            self.record_cpu_seconds += time.thread_time() - cpu
 
     def _record(self, step: StepOutputs, streams: list[torch.Tensor] | None,
                 points: list[torch.Tensor] | None) -> None:
@@ -235,7 +238,7 @@ class RowRecorder:
         self._sink, self.destination, self.tags.announced = self.held, None, None
         self._batch = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
-        self.record_seconds = 0.0
+        self.record_seconds = self.record_cpu_seconds = 0.0
         self.rows_expected = self.rows_recorded = self.chunks_recorded = 0
         self.rows_skipped = self.bytes_to_host = 0
         return rows
@@ -252,10 +255,11 @@ class RowRecorder:
         if forget:
             self.tags.forget({int(t) for t in tags})
             self._batch = None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         rows = self.held.take_tags(tags, forget)
         self.tag_takes += 1
         self.tag_take_seconds += time.perf_counter() - start
+        self.tag_take_cpu_seconds += time.thread_time() - cpu
         # A recorder error (budget) dropped every request's rows: report it once; the caller
         # recomputes what is missing.
         rows.error, self.error = self.error, None
