@@ -3,7 +3,6 @@ gate on reserved keys, the rows budget per response, and the worker's fetch by t
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -311,25 +310,69 @@ class _DeviceProgress:
         assert self.done, "a tag take waited for a forward that still runs"
 
 
-def test_tag_takes_never_wait_for_a_running_forward_and_forgotten_rows_leave_once_it_is_done():
+def test_tag_takes_never_wait_for_a_running_forward_and_a_forget_drops_its_rows():
     """Under async scheduling the engine core answers a take while the next step still runs: its
     rows stay held (the caller has not seen its tokens), the take does not wait, the next take
-    brings them, and a forget drops them as soon as that step's copy is done."""
+    brings them; a forget drops a tag's rows of that step at once."""
+    from uhead_vllm.capture.sinks.held import _Running
+
     rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
-    _step(rec, {"a": 3, "b": 2}, {"a": RequestTag(1, 0).to_extra_args(), "b": RequestTag(2, 0).to_extra_args()})
+    tags = {"a": RequestTag(1, 0).to_extra_args(), "b": RequestTag(2, 0).to_extra_args()}
+    _step(rec, {"a": 3, "b": 2}, tags)
+    _step(rec, {"a": 1, "b": 1}, {})
     held = rec.held
-    done, running = _DeviceProgress(), _DeviceProgress()
-    done.done = True
-    first = held.steps[0]
-    held.steps = [replace(first, computed=done, copied=done),
-                  replace(first, hidden=-1 - first.hidden, computed=running, copied=running)]
+    finished, running = _DeviceProgress(), _DeviceProgress()
+    finished.done = True
+    seg = held.segments[0]
+    held.running.extend([_Running(seg, 0, finished, finished), _Running(seg, 5, running, running)])
+    seg.hidden[5:7].neg_().sub_(1)  # the running step's rows: negative
     got = rec.take_tags([1, 2])
-    assert got.num_rows == 5 and bool((got.hidden >= 0).all()) and done.waited == 1 and running.waited == 0
-    assert len(held.steps) == 1 and rec.bytes_held == 5 * 2 * 4 * 4
-    rec.take_tags([2], forget=True)  # the running step's rows of tag 2 go once it is done
-    assert running.waited == 0 and rec.bytes_held == 5 * 2 * 4 * 4
+    assert got.num_rows == 5 and bool((got.hidden >= 0).all()) and finished.waited == 1 and running.waited == 0
+    assert got.tags.tolist() == [1, 1, 1, 2, 2] and got.positions.tolist() == [0, 1, 2, 3, 4]
+    assert got.chunk_offsets.tolist() == [0, 3, 5] and rec.bytes_held == 2 * 2 * 4 * 4
+    rec.take_tags([2], forget=True)  # tag 2's row of the running step goes at once
+    assert running.waited == 0 and rec.bytes_held == 1 * 2 * 4 * 4
     running.done = True
-    held.settle()
-    assert rec.bytes_held == 3 * 2 * 4 * 4  # tag 1's three rows of the finished step
     later = rec.take_tags([1, 2])
-    assert later.tags.tolist() == [1, 1, 1] and bool((later.hidden < 0).all()) and rec.bytes_held == 0
+    assert later.tags.tolist() == [1] and bool((later.hidden < 0).all()) and rec.bytes_held == 0
+    assert not held.holds_rows()
+
+
+def test_a_tag_take_returns_its_chunks_in_recording_order_and_leaves_the_rest_whole():
+    """Three steps of three requests; taking two tags, then the third, then a full take: each row
+    once, in the order recorded, and the counters of what is held follow."""
+    rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
+    tags = {x: RequestTag(t, 0).to_extra_args() for x, t in zip("abc", (7, 8, 9))}
+    _step(rec, {"a": 2, "b": 1, "c": 3}, tags)
+    _step(rec, {"a": 1, "b": 1, "c": 1}, {})
+    _step(rec, {"a": 1, "c": 1}, {})
+    everything = torch.cat([torch.arange(6 * 4, dtype=torch.float32).view(6, 4)[:, None] + 1000 * k
+                            for k in range(2)], 1)  # what _step's first forward produced
+    two = rec.take_tags([9, 7])
+    assert two.tags.tolist() == [7, 7, 9, 9, 9, 7, 9, 7, 9]
+    assert torch.equal(two.hidden[:5], everything[[0, 1, 3, 4, 5]])
+    assert two.chunk_offsets.tolist() == [0, 2, 5, 6, 7, 8, 9]  # a chunk per request and step
+    assert rec.bytes_held == 1 * 2 * 4 * 4 * 2  # b's rows of steps 1 and 2
+    rest = rec.take()
+    assert rest.tags.tolist() == [8, 8] and rest.positions.tolist() == [2, 1] and rec.bytes_held == 0
+
+
+def test_held_rows_span_segments_and_a_full_segment_goes_once_taken(monkeypatch):
+    """Steps fill segments of a few rows; a take reads across them in order, and a segment none of
+    whose rows is left is freed (its memory with it)."""
+    from uhead_vllm.capture.sinks import held as held_module
+
+    monkeypatch.setattr(held_module, "SEGMENT_ROWS", 4)
+    rec = RowRecorder(CaptureSettings((0, 2)), (0, 2), 4)
+    tags = {"a": RequestTag(1, 0).to_extra_args(), "b": RequestTag(2, 0).to_extra_args()}
+    _step(rec, {"a": 1, "b": 1}, tags)
+    for _ in range(4):
+        _step(rec, {"a": 1, "b": 1}, {})
+    assert len(rec.held.segments) == 3  # 10 rows, 4 a segment
+    a = rec.take_tags([1])
+    assert a.positions.tolist() == [0, 0, 0, 0, 0] and len(rec.held.segments) == 3
+    b = rec.take_tags([2])
+    assert b.positions.tolist() == [1, 1, 1, 1, 1] and b.chunk_offsets.tolist() == [0, 1, 2, 3, 4, 5]
+    assert len(rec.held.segments) == 1 and rec.bytes_held == 0  # the last one stays, emptied for reuse
+    _step(rec, {"a": 2}, {})
+    assert rec.held.segments[0].used == 2 and rec.take_tags([1]).num_rows == 2

@@ -311,7 +311,6 @@ class UheadCaptureExtension:
         if rec is None:
             return json.dumps({"recording": False})
         route, runner = getattr(adapters.worker_runner(self), _ROUTE_ATTR)
-        rec.held.settle()  # rows of forgotten tags whose forward ran on after the take
         return json.dumps({"recording": True, "settings": rec.settings.to_dict(), "aux_layers": list(rec.aux_layers),
                            "route": route, "runner": runner, "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error, **rec.tags.counters(),

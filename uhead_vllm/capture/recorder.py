@@ -83,11 +83,6 @@ class RowRecorder:
         return self.held.bytes_held
 
     @property
-    def steps(self) -> list:
-        """The steps held until taken."""
-        return self.held.steps
-
-    @property
     def rows_placed(self) -> int:
         """Rows of this generation sent to its destination so far."""
         return self._last_placing.rows_placed if self._sink is self._last_placing else 0

@@ -107,10 +107,7 @@ def rows_into_file(rows: CapturedRows, spec: SharedDestination, mapped: dict[str
         buffer = open_destination(spec, mapped).buffer
     except FileNotFoundError:
         return rows
-    at = 0
-    for part in rows.hidden_parts:
-        buffer[at : at + len(part)].copy_(part)
-        at += len(part)
+    torch.cat(rows.hidden_parts, out=buffer[:n])  # one call however many parts (a tag take: one per step)
     rows.hidden_parts = [first[:0]]
     rows.stats = {**rows.stats, "rows_in_file": n}
     return rows

@@ -1,21 +1,27 @@
 """Rows kept in the worker until the engine side takes them (no destination).
 
-Each step's rows are gathered into new tensors and, on a GPU, copied asynchronously into pinned
-memory of their own on the side stream (cuda_streams.py); a take waits once and assembles one
-:class:`CapturedRows`, the hidden rows left as one part per step. A server's concurrent requests
-each take their own tags (:meth:`HeldRows.take_tags`).
+Each step's rows are gathered on the device and copied (on a GPU asynchronously, on the side
+stream, cuda_streams.py) into the next free rows of a *segment*: pinned host memory of a few
+thousand rows with each row's tag, sample and chunk beside it. So recording allocates no pinned
+memory per step (through PyTorch's caching host allocator that cost ~1 ms of the engine's thread
+per step, staging.py), and a take is a few vectorised operations per segment, whatever the number
+of steps or requests held (splitting every held step at each take cost ~7 ms of the engine's
+thread per take at 64 concurrent requests on an H200). Rows never move; a segment goes once none
+of its rows is left.
 
-A tag take never waits for a forward. The engine core serves it between steps while, with async
-scheduling, the next step already runs on the device; waiting for that step's rows stalled the
-engine once per take (the device idles while the host catches up). No caller needs them: a server
-asks for rows of tokens it has seen, and vLLM emits a step's tokens only after its forward. So a
-tag take waits only for the copies of forwards that are done (each step's ``computed`` event, on
-the main stream after its gathers) and leaves later steps held for the next take.
+A tag take (a server's requests, :meth:`HeldRows.take_tags`) never waits for a forward. The engine
+core serves it between steps while, with async scheduling, the next step already runs on the
+device; waiting for that step's rows stalled the engine once per take. No caller needs them: a
+server asks for rows of tokens it has seen, and vLLM emits a step's tokens only after its forward.
+So a tag take takes rows only up to the first step whose forward still runs (each step's
+``computed`` event, on the main stream after its gathers), waits for the copies before it and
+leaves the rest for the next take; a forget drops those too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,136 +31,160 @@ from ..cuda_streams import CopyStream
 from ..protocol import CapturedRows, CaptureSettings, empty_rows
 from ..step_layout import StepLayout, gathered
 
+#: Rows per segment at most, and its bytes of hidden rows at most (a larger step gets its own).
+SEGMENT_ROWS = 4096
+SEGMENT_BYTES = 16 << 20
+
+
+@dataclass(eq=False)
+class _Segment:
+    hidden: torch.Tensor  # [capacity, C, H] (pinned on a GPU machine)
+    positions: torch.Tensor  # [capacity] int64
+    token_ids: torch.Tensor  # [capacity] int64
+    tags: np.ndarray = field(init=False)  # [capacity] per row, as samples and chunks
+    samples: np.ndarray = field(init=False)
+    chunks: np.ndarray = field(init=False)  # the row's chunk (request and step), numbered across segments
+    alive: np.ndarray = field(init=False)  # not taken yet
+    used: int = 0
+    live: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.hidden)
+        self.tags, self.samples, self.chunks = (np.empty(n, np.int64) for _ in range(3))
+        self.alive = np.zeros(n, dtype=bool)
+
 
 @dataclass
-class _Step:
-    tags: np.ndarray  # [C] per chunk (one chunk per tagged request in the step)
-    samples: np.ndarray  # [C]
-    lens: np.ndarray  # [C] rows per chunk
-    hidden: torch.Tensor  # [R, L, H] host (pinned when the step ran on a GPU)
-    meta: torch.Tensor  # [2, R] int64 host: positions, input token ids
-    computed: Any = None  # GPU: event after the forward's gathers (main stream); None: on the host
-    copied: Any = None  # GPU: event after the copy to ``hidden``/``meta`` (side stream)
-    dropped: frozenset[int] = frozenset()  # tags forgotten while the step ran: cut at its take
+class _Running:
+    """A step whose forward may still run: its rows' first place and its events."""
 
-    def forward_done(self) -> bool:
-        return self.computed is None or bool(self.computed.query())
-
-    def without(self, tags: np.ndarray) -> "_Step | None":
-        """The step less the chunks of ``tags`` (None: nothing left); its rows must be on the host."""
-        hit = np.isin(self.tags, tags)
-        if not hit.any():
-            return self
-        if hit.all():
-            return None
-        return self.part(~hit)
-
-    def part(self, chunk_hit: np.ndarray) -> "_Step":
-        """The chunks ``chunk_hit`` of the step (host rows)."""
-        row_hit = torch.from_numpy(np.repeat(chunk_hit, self.lens))
-        return _Step(self.tags[chunk_hit], self.samples[chunk_hit], self.lens[chunk_hit],
-                     self.hidden[row_hit], self.meta[:, row_hit])
+    segment: _Segment
+    start: int
+    computed: Any  # event after its gathers, on the main stream
+    copied: Any  # event after its copy to the host, on the side stream
 
 
 class HeldRows:
-    """The steps recorded since the last take, on the host."""
+    """The rows recorded since the last take, on the host, by segment."""
 
     def __init__(self, settings: CaptureSettings, hidden_size: int, copies: CopyStream) -> None:
         self.settings, self.hidden_size, self.copies = settings, hidden_size, copies
-        self.steps: list[_Step] = []
+        self.segments: list[_Segment] = []
+        self.running: deque[_Running] = deque()  # GPU steps not seen done yet, in order
+        self._chunk_serial = 0
         self.bytes_held = 0
+        self._row_shape = (settings.num_columns, hidden_size)
+        self._row_bytes = settings.num_columns * hidden_size * settings.torch_dtype.itemsize
 
     def holds_rows(self) -> bool:
-        return bool(self.steps)
+        return any(s.live for s in self.segments)
 
     def record(self, layout: StepLayout, picked: list[torch.Tensor], positions: torch.Tensor,
                input_ids: torch.Tensor) -> None:
-        dtype = self.settings.torch_dtype
-        hidden, meta = gathered(picked, positions, input_ids, layout.runs, dtype)
-        computed = copied = None
-        if hidden.device.type == "cuda":  # on CPU already new tensors (stack/cat copies), never engine buffers
+        hidden, meta = gathered(picked, positions, input_ids, layout.runs, self.settings.torch_dtype)
+        n = len(hidden)
+        seg = self._room(n, hidden.device.type == "cuda")
+        a, b = seg.used, seg.used + n
+        if hidden.device.type == "cuda":
             computed = torch.cuda.Event()
             computed.record(torch.cuda.current_stream(hidden.device))
-            host_meta = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
-            host_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-            copied = self.copies.copy_to_host([(host_hidden, hidden), (host_meta, meta)])
-            hidden, meta = host_hidden, host_meta
-        self.steps.append(_Step(layout.tags, layout.samples, layout.lens, hidden, meta, computed, copied))
-        self.bytes_held += layout.n_rows * self.settings.num_columns * self.hidden_size * dtype.itemsize
+            copied = self.copies.copy_to_host([(seg.hidden[a:b], hidden), (seg.positions[a:b], meta[0]),
+                                               (seg.token_ids[a:b], meta[1])])
+            self.running.append(_Running(seg, a, computed, copied))
+        else:
+            seg.hidden[a:b] = hidden
+            seg.positions[a:b], seg.token_ids[a:b] = meta
+        lens = layout.lens
+        seg.tags[a:b] = np.repeat(layout.tags, lens)
+        seg.samples[a:b] = np.repeat(layout.samples, lens)
+        seg.chunks[a:b] = np.repeat(np.arange(self._chunk_serial, self._chunk_serial + len(lens)), lens)
+        seg.alive[a:b] = True
+        self._chunk_serial += len(lens)
+        seg.used, seg.live = b, seg.live + n
+        self.bytes_held += n * self._row_bytes
+
+    def _room(self, n: int, pinned: bool) -> _Segment:
+        """The segment with room for ``n`` more rows: the last one, or a new one."""
+        if self.segments and self.segments[-1].used + n <= len(self.segments[-1].hidden):
+            return self.segments[-1]
+        rows = max(n, min(SEGMENT_ROWS, SEGMENT_BYTES // max(self._row_bytes, 1)))
+        seg = _Segment(torch.empty((rows, *self._row_shape), dtype=self.settings.torch_dtype, pin_memory=pinned),
+                       torch.empty(rows, dtype=torch.int64, pin_memory=pinned),
+                       torch.empty(rows, dtype=torch.int64, pin_memory=pinned))
+        self.segments.append(seg)
+        return seg
 
     def discard(self) -> None:
-        self.steps.clear()
+        self.segments.clear()
+        self.running.clear()
         self.bytes_held = 0
 
     def take(self) -> CapturedRows:
         self.copies.synchronize()
-        rows = self._rows([k for k in (self._settled(s) for s in self.steps) if k is not None])
+        rows = self._rows([(s, np.flatnonzero(s.alive[: s.used])) for s in self.segments])
         rows.stats = {"forwards_replayed": 0, "place_seconds": 0.0, "rows_written_on_device": 0}
-        self.steps = []
-        self.bytes_held = 0
+        self.discard()
         return rows
 
     def take_tags(self, tags: list[int], forget: bool = False) -> CapturedRows:
         """Only the rows of ``tags`` from the forwards done so far; the rows of other tags stay,
-        and so do the steps whose forward still runs (module docstring). ``forget``: the tags'
-        rows in those steps are dropped when they are done, so nothing of theirs is left."""
-        wanted = np.asarray(sorted(set(int(t) for t in tags)), dtype=np.int64)
-        done = 0
-        while done < len(self.steps) and self.steps[done].forward_done():
-            done += 1
-        if done and self.steps[done - 1].copied is not None:
-            self.steps[done - 1].copied.synchronize()  # copies finish in order (one side stream)
-        taken: list[_Step] = []
-        kept: list[_Step] = []
-        for step in self.steps[:done]:
-            s = self._settled(step)
-            if s is None:
-                continue
-            chunk_hit = np.isin(s.tags, wanted)
-            if not chunk_hit.any():
-                kept.append(s)
-            elif chunk_hit.all():
-                taken.append(s)
-            else:
-                taken.append(s.part(chunk_hit))
-                kept.append(s.part(~chunk_hit))
-        running = self.steps[done:]
-        if forget:
-            forgotten = frozenset(wanted.tolist())
-            running = [replace(s, dropped=s.dropped | forgotten) for s in running]
-        self.steps = kept + running
-        self.bytes_held = sum(s.hidden.numel() * s.hidden.element_size() for s in self.steps)
-        return self._rows(taken)
+        and so do these tags' rows of forwards that still run (module docstring), unless
+        ``forget``: then those are dropped."""
+        copied = None
+        while self.running and self.running[0].computed.query():  # forwards finish in order
+            copied = self.running.popleft().copied
+        if copied is not None:
+            copied.synchronize()  # copies finish in order (one side stream)
+        frontier = self.running[0] if self.running else None
+        wanted = np.asarray(sorted({int(t) for t in tags}), dtype=np.int64)
+        parts = []
+        reached = False  # at or past the frontier: rows of running forwards
+        for seg in self.segments:
+            hit = seg.alive[: seg.used] & np.isin(seg.tags[: seg.used], wanted)
+            cut = seg.used  # rows before it are of finished forwards
+            if reached:
+                cut = 0
+            elif frontier is not None and seg is frontier.segment:
+                cut, reached = frontier.start, True
+            done = hit
+            if cut < seg.used:
+                done = hit.copy()
+                done[cut:] = False
+            parts.append((seg, np.flatnonzero(done)))
+            gone = hit if forget else done
+            seg.alive[: seg.used] &= ~gone
+            count = int(gone.sum())
+            seg.live -= count
+            self.bytes_held -= count * self._row_bytes
+        rows = self._rows(parts)
+        self._free()
+        return rows
 
-    def settle(self) -> None:
-        """Cut forgotten tags' rows out of the steps whose copies are done (no waiting): what
-        ``bytes_held`` reports once a server is idle."""
-        steps = [self._settled(s) if s.dropped and (s.copied is None or s.copied.query()) else s
-                 for s in self.steps]
-        self.steps = [s for s in steps if s is not None]
-        self.bytes_held = sum(s.hidden.numel() * s.hidden.element_size() for s in self.steps)
+    def _free(self) -> None:
+        """Segments none of whose rows is left go (the last one is emptied for reuse once no
+        copy into it runs)."""
+        last = self.segments[-1] if self.segments else None
+        waiting = {id(r.segment) for r in self.running}
+        self.segments = [s for s in self.segments if s.live or s is last or id(s) in waiting]
+        if last is not None and not last.live and id(last) not in waiting:
+            last.used = 0
 
-    @staticmethod
-    def _settled(s: _Step) -> _Step | None:
-        """``s`` less the rows of the tags forgotten while it ran (its copy must be done)."""
-        if not s.dropped:
-            return s
-        left = s.without(np.asarray(sorted(s.dropped), dtype=np.int64))
-        return None if left is None else replace(left, dropped=frozenset())
-
-    def _rows(self, steps: list[_Step]) -> CapturedRows:
-        """The steps' rows as one :class:`CapturedRows`, the hidden rows left as one part per step."""
+    def _rows(self, parts: list[tuple[_Segment, np.ndarray]]) -> CapturedRows:
+        """The rows ``index`` of each segment, in order, as one :class:`CapturedRows` (the hidden
+        rows one part per segment)."""
         layers = tuple(self.settings.layers)
-        if not steps:
+        parts = [(s, i) for s, i in parts if i.size]
+        if not parts:
             return empty_rows(layers, self.hidden_size, self.settings.torch_dtype, self.settings.num_columns)
-        lens = torch.from_numpy(np.concatenate([s.lens for s in steps]))
-        meta = torch.cat([s.meta for s in steps], dim=1)
+        index = [torch.from_numpy(i) for _, i in parts]
+        chunks = np.concatenate([s.chunks[i] for s, i in parts])
+        cuts = np.flatnonzero(chunks[1:] != chunks[:-1]) + 1
         return CapturedRows(
             layers=layers,
-            hidden_parts=[s.hidden for s in steps],
-            tags=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.tags for s in steps])), lens),
-            samples=torch.repeat_interleave(torch.from_numpy(np.concatenate([s.samples for s in steps])), lens),
-            positions=meta[0].contiguous(),
-            token_ids=meta[1].contiguous(),
-            chunk_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+            hidden_parts=[s.hidden.index_select(0, x) for (s, _), x in zip(parts, index)],
+            tags=torch.from_numpy(np.concatenate([s.tags[i] for s, i in parts])),
+            samples=torch.from_numpy(np.concatenate([s.samples[i] for s, i in parts])),
+            positions=torch.cat([s.positions.index_select(0, x) for (s, _), x in zip(parts, index)]),
+            token_ids=torch.cat([s.token_ids.index_select(0, x) for (s, _), x in zip(parts, index)]),
+            chunk_offsets=torch.from_numpy(np.concatenate([[0], cuts, [len(chunks)]]).astype(np.int64)),
         )
