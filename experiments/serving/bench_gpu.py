@@ -216,45 +216,58 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path, list[int]
 
 def start_servers(args: argparse.Namespace, model: Path, head: Path, work: Path
                   ) -> tuple[dict[str, Any], dict[str, float], dict[str, str]]:
-    """Vanilla vLLM's server, then each ``uhead-vllm serve``, one after the other (a start beside a
-    starting server could count its memory as its own). Vanilla gets no plugin (``VLLM_PLUGINS``
-    empty), so its engine is stock vLLM even where uhead_vllm is installed. A uhead server that
-    does not start is left out (its reason returned), so the others are still measured."""
+    """Vanilla vLLM's server and each ``uhead-vllm serve``, one after the other (a start beside a
+    starting server could count its memory as its own), or all at once with ``--parallel-start``
+    (every server then needs ``--kv-cache-memory-bytes``, as the default engine args give: a
+    server start is ~2 minutes of the GPU machine's budget). Vanilla gets no plugin
+    (``VLLM_PLUGINS`` empty), so its engine is stock vLLM even where uhead_vllm is installed. A
+    uhead server that does not start is left out (its reason returned), so the others are still
+    measured; without vanilla nothing is."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from serving_server import VLLM_SERVE, Server
 
     common = ["--served-model-name", "bench", *split_flags(args.engine_args)]
     if not args.model:
         common += ["--load-format", "dummy"]
+    on_device = ["--scores-on-device"] if args.scores_on_device else []
+    starts: dict[str, tuple[list[str], dict[str, Any]]] = {
+        "vanilla": (["--model", str(model), "--seed", "0", *common], {"command": VLLM_SERVE, "env": {"VLLM_PLUGINS": ""}})}
+    for name, flags in zip(uhead_names(len(args.uhead_args)), args.uhead_args):
+        starts[name] = (["--model", str(model), "--head", str(head), *on_device, *split_flags(flags), *common], {})
+
+    def start(name: str) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        argv, kw = starts[name]
+        server = Server(argv, work / f"{name}.log", timeout=args.start_timeout, **kw)
+        log(f"{name} up in {time.perf_counter() - t0:.0f} s")
+        return server, time.perf_counter() - t0
+
     servers: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     failed: dict[str, str] = {}
-    t0 = time.perf_counter()
-    servers["vanilla"] = Server(["--model", str(model), "--seed", "0", *common], work / "vanilla.log", timeout=args.start_timeout,
-                                command=VLLM_SERVE, env={"VLLM_PLUGINS": ""})
-    seconds["vanilla"] = time.perf_counter() - t0
-    log(f"vanilla vLLM up in {seconds['vanilla']:.0f} s")
-    try:
-        on_device = ["--scores-on-device"] if args.scores_on_device else []
-        for name, flags in zip(uhead_names(len(args.uhead_args)), args.uhead_args):
-            t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(starts) if args.parallel_start else 1) as pool:
+        futures = {name: pool.submit(start, name) for name in starts}
+        for name, future in futures.items():
             try:
-                servers[name] = Server(["--model", str(model), "--head", str(head), *on_device,
-                                        *split_flags(flags), *common],
-                                       work / f"{name}.log", timeout=args.start_timeout)
+                servers[name], seconds[name] = future.result()
             except (RuntimeError, TimeoutError) as exc:
                 failed[name] = str(exc)[-2000:]
-                log(f"uhead-vllm serve {flags} ({name}) did not start: {str(exc)[-300:]}")
-                continue
-            seconds[name] = time.perf_counter() - t0
-            log(f"uhead-vllm serve {flags} ({name}) up in {seconds[name]:.0f} s")
-    except BaseException:
+                log(f"{name} ({shlex.join(starts[name][0])}) did not start: {str(exc)[-300:]}")
+            except BaseException:
+                for other in futures.values():  # the rest still start: stop each once it is up
+                    if not other.cancel():
+                        try:
+                            other.result()[0].stop()
+                        except BaseException:
+                            pass
+                for server in servers.values():
+                    server.stop()
+                raise
+    if "vanilla" not in servers or list(servers) == ["vanilla"]:
         for server in servers.values():
             server.stop()
-        raise
-    if list(servers) == ["vanilla"]:
-        for server in servers.values():
-            server.stop()
-        raise RuntimeError(f"no uhead server started: {failed}")
+        raise RuntimeError(f"no {'uhead' if 'vanilla' in servers else 'vanilla'} server started: {failed}")
     return servers, seconds, failed
 
 
@@ -314,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="more flags for a uhead server, spaces or commas between them, e.g. "
                          "'--uhead-args=--api-server-count=4,--scores-on-device' (vanilla keeps vLLM's defaults); "
                          "given again: one more uhead server, measured beside the others (uhead2, ...)")
+    ap.add_argument("--parallel-start", action="store_true",
+                    help="start every server at once (each has its own --kv-cache-memory-bytes; saves ~2 minutes of "
+                         "GPU time per extra server)")
     ap.add_argument("--vanilla-logprobs", type=int, default=0,
                     help="also measure vanilla serving requests that ask for this many top logprobs (what the "
                          "bench's head reads, 3): the share of a scored request's cost that is vLLM's logprobs")

@@ -94,12 +94,15 @@ class HeldRows:
         else:
             seg.hidden[a:b] = hidden
             seg.positions[a:b], seg.token_ids[a:b] = meta
-        lens = layout.lens
-        seg.tags[a:b] = np.repeat(layout.tags, lens)
-        seg.samples[a:b] = np.repeat(layout.samples, lens)
-        seg.chunks[a:b] = np.repeat(np.arange(self._chunk_serial, self._chunk_serial + len(lens)), lens)
+        lens, c = layout.lens, len(layout.lens)
+        serials = np.arange(self._chunk_serial, self._chunk_serial + c)
+        if c == n:  # decode steps: a row per chunk
+            seg.tags[a:b], seg.samples[a:b], seg.chunks[a:b] = layout.tags, layout.samples, serials
+        else:
+            seg.tags[a:b], seg.samples[a:b] = np.repeat(layout.tags, lens), np.repeat(layout.samples, lens)
+            seg.chunks[a:b] = np.repeat(serials, lens)
         seg.alive[a:b] = True
-        self._chunk_serial += len(lens)
+        self._chunk_serial += c
         seg.used, seg.live = b, seg.live + n
         self.bytes_held += n * self._row_bytes
 
