@@ -9,7 +9,7 @@ class EngineProcesses:
     """The processes each engine started (its engine core, with the worker in it or beside it), to
     read their CPU time around each run. CPU time counts work, not waiting for a core, so on CPU it
     is far less disturbed by a busy neighbour than wall time. On a GPU an engine's CPU time follows
-    its wall time: its main thread spins while it waits for the GPU (docs/gpu.md, session 25)."""
+    its wall time: its main thread spins while it waits for the GPU (docs/gpu.md)."""
 
     def __init__(self) -> None:
         import psutil

@@ -92,7 +92,7 @@ def engine_settings(shape: str, tp: int = 1, paired: bool = False, engines: int 
     """One engine's settings; ``paired``: ``engines`` engines share the GPU (the largest batch needs
     ~6.3 GB of KV cache at the 8B shape, 256 sequences of ~190 tokens). vLLM refuses to start an
     engine while less than its ``gpu_memory_utilization`` of the card is free (the KV cache is sized
-    by ``kv_cache_memory_bytes``): a third 8B engine (~27 GB each) did not start at 0.42 (session 24),
+    by ``kv_cache_memory_bytes``): a third 8B engine (~27 GB each) did not start at 0.42 (an H100 run),
     so beyond two the 8B shape's engines share 0.85 of the card."""
     kv_gib = (8 if shape == "llama8b" else 4) if paired else (16 if shape == "llama8b" else 8)
     share = 0.85 / engines if shape == "llama8b" and engines > 2 else 0.42
@@ -231,7 +231,7 @@ def paired_child(model: str, shape: str, n_layers: int, reps: int = PAIRED_REPS,
         seconds = {name: [] for name in ways}
         cpu = {name: {"frontend": [], "engine": []} for name in ways}  # CPU seconds per run, by process
         for way in ways.values():  # one full-length untimed run each: the first ones ran 20-40%
-            way(wl)                # slower for both (allocator, page cache), session 15
+            way(wl)                # slower for both (allocator, page cache)
         phases: list[dict[str, float]] = []  # per capture run: seconds per phase
         order: list[list[str]] = []
         shuffle = random.Random(b)
@@ -280,7 +280,7 @@ class CorePinner:
     always-busy caller would be measured slower for that alone.
 
     ``mode``: ``"apart"``, one share per engine; on hosts whose cores differ in speed those
-    engines differed by up to 16% (session 22), so ``"together"`` gives every engine the same
+    engines differed by up to 16% (an H100 run), so ``"together"`` gives every engine the same
     share, all the cores but this process's, and ``"fastest"`` probes the cores, gives this
     process the quickest share and every engine the :data:`FASTEST_SHARE` next."""
 
@@ -319,7 +319,7 @@ FASTEST_SHARE = 4
 
 def fastest_first(units: list[list[int]]) -> list[list[int]]:
     """Physical cores ordered by the median time of a fixed workload on their first thread,
-    quickest first: a lent host's cores differed up to 2x (29-62 ms, session 23), and a
+    quickest first: a lent host's cores differed up to 2x (29-62 ms on one H100 host), and a
     host-bound engine is as fast as the cores it runs on."""
     from experiments.gpu.host_probe import core_times
 
@@ -403,7 +403,7 @@ def pooled_ratio(seconds: dict[str, list[float]]) -> tuple[float, tuple[float, f
     """Throughput of capture over plain with two engines of each kind (``--aa --variant same``):
     each repetition's mean of the two plain engines' seconds against its mean of the two capturing
     engines', ratio of the medians and its bootstrap interval. Identical engines in one run differed
-    by 4-8% in median (session 25, SmolLM2): pooled, one process's own speed weighs half."""
+    by 4-8% in median (SmolLM2, an H100 run): pooled, one process's own speed weighs half."""
     plain = [(x + y) / 2 for x, y in zip(seconds["plain-graphs"], seconds["plain-graphs-b"])]
     ours = [(x + y) / 2 for x, y in zip(seconds["ours-graphs"], seconds["ours-same"])]
     return float(np.median(plain)) / float(np.median(ours)), median_ratio_interval(plain, ours)

@@ -1,7 +1,7 @@
 """The recorder's host cost per step on a real GPU, without vLLM: where the engine thread's time goes.
 
 The capturing engine's own thread pays for recording every step (``record_seconds``: 0.58 ms per
-step at 16 sequences and 0.9 ms at 256, Llama-8B shape, session 8). At small batches vLLM's step
+step at 16 sequences and 0.9 ms at 256, Llama-8B shape, an H100 run). At small batches vLLM's step
 is short, so that time shows directly in throughput. This drives :class:`RowRecorder` with
 synthetic steps shaped like the benchmark's (``K`` requests: one prefill of ``--prompt`` tokens,
 then one-token decode steps; three bf16 aux outputs of ``--hidden`` columns on the device, padded

@@ -31,7 +31,7 @@ probe() {  # the host's cores before a measurement (experiments/gpu/host_probe.p
 case $what in
   pytest)
     rm -rf "$W/parity"; mkdir -p "$W/parity"
-    # tests/gpu ran 276-330 s on lent H100s (session 24): the limit leaves room for the install before it
+    # tests/gpu ran 276-330 s on lent H100s: the limit leaves room for the install before it
     UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$W/parity timeout "${TIMEOUT:-480}" \
       python3 -m pytest tests/gpu -n 5 -q -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
     echo "pytest exit $?"; tail -n 3 "$OUT/pytest-gpu.log"

@@ -1,4 +1,4 @@
-"""Value study (issue #16): does head-scored best-of-n / beam search beat greedy, the logprob
+"""Value study: does head-scored best-of-n / beam search beat greedy, the logprob
 scorers and majority vote on held-out questions?
 
 One command, stages in order (each writes into --work; a later stage reads what earlier ones wrote):

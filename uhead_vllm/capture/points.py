@@ -32,7 +32,7 @@ from typing import Iterable
 SUBLAYER_POINTS: tuple[str, ...] = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 #: Points a request may steer at: the sublayer points and the layer's output stream.
 STEER_POINTS: tuple[str, ...] = SUBLAYER_POINTS + ("resid_post",)
-#: Other spellings accepted on input (the names used in issue #17).
+#: Other spellings accepted on input (earlier names of the sites).
 ALIASES: dict[str, str] = {"pre_attn": "attn_in", "post_attn": "attn_out"}
 
 Site = tuple[str, int]  # (canonical point name, decoder layer index 0..num_layers-1)

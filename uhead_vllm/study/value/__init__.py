@@ -1,4 +1,4 @@
-"""The value study (issue #16): on-policy step data, a ranking head, and best-of-n / beam search
+"""The value study: on-policy step data, a ranking head, and best-of-n / beam search
 over one shared step tree, compared with greedy, logprob scorers and majority vote.
 
 ``tree`` (nodes, candidates, batched expansion and scoring), ``resume`` (the tree on disk),
