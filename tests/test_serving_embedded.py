@@ -1,6 +1,8 @@
 """The embedded model with the shipped head, served by two API server processes on one engine
-(``--api-server-count 2``, as vLLM scales its front end): the typed client, asking concurrently,
-gets the same answers and per-step scores as the offline main job (`uhead-vllm answer`)."""
+(``--api-server-count 2``, as vLLM scales its front end) that reduce rows to the head's inputs in
+the worker (``--scores-on-device``, the recommended serving flags): the typed client, asking
+concurrently, gets the same answers and per-step scores as the offline main job (`uhead-vllm
+answer`), which scores full rows on the host."""
 
 from __future__ import annotations
 
@@ -18,21 +20,29 @@ QUESTIONS = ["What is 7 + 8?", "What is 45 + 38?", "What is 12 * 3?"]
 
 def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
     """Each question asked twice at once, in rounds until both API servers have scored requests
-    (a kernel spreads connections over them): every answer equals the offline job's."""
+    (a kernel spreads connections over them): every answer equals the offline job's. A request
+    for rows is refused (the worker keeps none): the scores came from the reduced inputs."""
+    import openai
+
     from uhead_vllm.client import UncertaintyClient
     from uhead_vllm import answer
 
     served = []
-    for server in serve(["--api-server-count", "2"], tmp_path / "server.log"):
+    for server in serve(["--api-server-count", "2", "--scores-on-device"], tmp_path / "server.log"):
         info = server.get_json("/uhead/info")
         client = UncertaintyClient(server.url, max_retries=0, timeout=300)
         prompts = [info["prompt_template"].replace("{question}", q) for q in QUESTIONS] * 2
         for _ in range(4):
             with ThreadPoolExecutor(len(prompts)) as pool:
                 served.append(list(pool.map(lambda p: client.chat(p, max_tokens=info["max_tokens"])[0], prompts)))
-            statuses = {s["process_id"]: s for s in (server.get_json("/uhead/status") for _ in range(40))}
+            with ThreadPoolExecutor(12) as pool:  # at once: an idle process may win every accept one at a time
+                statuses = {s["process_id"]: s for s in pool.map(lambda _: server.get_json("/uhead/status"), range(48))}
             if all(s["row_take_callers"] > 0 for s in statuses.values()) and len(statuses) == 2:
                 break
+        with pytest.raises(openai.BadRequestError, match="reduces rows to the head's inputs"):
+            client.chat(prompts[0], rows=[14], max_tokens=4)
+        engine_time = next(iter(statuses.values()))["worker_engine_time"]
+        assert engine_time["forwards_recorded"] > 0 and engine_time["tag_takes"] > 0
     assert len(statuses) == 2 and all(s["row_take_callers"] > 0 for s in statuses.values()), statuses
     offline = answer(QUESTIONS, file=io.StringIO())
     status = next(iter(statuses.values()))
