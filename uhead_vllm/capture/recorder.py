@@ -166,7 +166,7 @@ class RowRecorder:
             return
         picked = [source[j] for j in self._select] + list(points or ())
         if self.weight is not None:
-            picked = [self._reduce(picked)]
+            picked = [self._reduce(picked, layout.runs)]
         positions = step.positions[0] if step.positions.dim() > 1 else step.positions  # M-RoPE: text row
         self._sink.record(layout, picked, positions, step.input_ids)
         self.forwards_recorded += 1
@@ -174,17 +174,21 @@ class RowRecorder:
         self.bytes_to_host += new_bytes
         self.chunks_recorded += len(layout.lens)
 
-    def _reduce(self, picked: list[torch.Tensor]) -> torch.Tensor:
+    def _reduce(self, picked: list[torch.Tensor], runs: list[tuple[int, int]]) -> torch.Tensor:
         """``[T, D]`` float32: the forward's rows (the layers in settings order) times the weight, on
         the device, into one buffer reused forward after forward (sinks copy rows out, as they do
-        the engine's own outputs, before the next forward overwrites them)."""
-        x = torch.cat(picked, -1).to(torch.float32)
-        weight, n = self.weight, x.shape[0]
+        the engine's own outputs, before the next forward overwrites them). Only the rows of
+        ``runs`` are computed, the ones every sink reads: a prefill's prompt rows below the
+        requests' capture windows and untagged requests' rows cost nothing (a float32 copy of a
+        whole 8,192-token prefill of two 4,096-wide layers was 256 MiB)."""
+        weight, n = self.weight, picked[0].shape[0]
         assert weight is not None
         buf = self._reduced
-        if buf is None or buf.shape[0] < n or buf.device != x.device:
-            buf = self._reduced = torch.empty(max(n, 256), weight.shape[0], dtype=torch.float32, device=x.device)
-        return torch.mm(x, weight.T, out=buf[:n])
+        if buf is None or buf.shape[0] < n or buf.device != picked[0].device:
+            buf = self._reduced = torch.empty(max(n, 256), weight.shape[0], dtype=torch.float32, device=picked[0].device)
+        for a, b in runs:
+            torch.mm(torch.cat([h[a:b] for h in picked], -1).to(torch.float32), weight.T, out=buf[a:b])
+        return buf[:n]
 
     def _batch_facts(self, req_ids: list[str]) -> BatchFacts:
         """This forward's per-request facts, reused while the batch stays the same."""
