@@ -3,7 +3,6 @@ gate on reserved keys, the rows budget per response, and the worker's fetch by t
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
