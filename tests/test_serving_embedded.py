@@ -19,9 +19,11 @@ QUESTIONS = ["What is 7 + 8?", "What is 45 + 38?", "What is 12 * 3?"]
 
 
 def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
-    """Each question asked twice at once, in rounds until both API servers have scored requests
-    (a kernel spreads connections over them): every answer equals the offline job's. A request
-    for rows is refused (the worker keeps none): the scores came from the reduced inputs."""
+    """Each question asked twice at once, in rounds until both API servers have scored requests:
+    every answer equals the offline job's. A request for rows is refused (the worker keeps none):
+    the scores came from the reduced inputs. Each round uses new connections (a client's kept
+    connections stay with the process that accepted them; one busy or slow process may accept
+    none of a round's)."""
     import openai
 
     from uhead_vllm.client import UncertaintyClient
@@ -30,9 +32,9 @@ def test_served_scores_equal_the_offline_main_job(embedded_model, tmp_path):
     served = []
     for server in serve(["--api-server-count", "2", "--scores-on-device"], tmp_path / "server.log"):
         info = server.get_json("/uhead/info")
-        client = UncertaintyClient(server.url, max_retries=0, timeout=300)
         prompts = [info["prompt_template"].replace("{question}", q) for q in QUESTIONS] * 2
-        for _ in range(4):
+        for _ in range(8):
+            client = UncertaintyClient(server.url, max_retries=0, timeout=300)
             with ThreadPoolExecutor(len(prompts)) as pool:
                 served.append(list(pool.map(lambda p: client.chat(p, max_tokens=info["max_tokens"])[0], prompts)))
             with ThreadPoolExecutor(12) as pool:  # at once: an idle process may win every accept one at a time
