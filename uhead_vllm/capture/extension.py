@@ -314,8 +314,5 @@ class UheadCaptureExtension:
         return json.dumps({"recording": True, "settings": rec.settings.to_dict(), "aux_layers": list(rec.aux_layers),
                            "route": route, "runner": runner, "hidden_size": rec.hidden_size,
                            "bytes_held": rec.bytes_held, "error": rec.error, **rec.tags.counters(),
-                           "forwards_recorded": rec.forwards_recorded, "record_seconds": round(rec.record_seconds, 6),
-                           "record_cpu_seconds": round(rec.record_cpu_seconds, 6), "tag_takes": rec.tag_takes,
-                           "tag_take_seconds": round(rec.tag_take_seconds, 6),
-                           "tag_take_cpu_seconds": round(rec.tag_take_cpu_seconds, 6),
+                           "engine_time": rec.engine_time(),
                            "vllm_supported": adapters.supported_text()})

@@ -39,6 +39,24 @@ from .step_layout import BatchFacts
 from .tags import TagBook
 
 
+class EngineTime:
+    """Wall and CPU seconds the engine's thread spent in some work, and how often (``with``): CPU
+    time well below wall time means waiting, for the GIL or the device."""
+
+    __slots__ = ("calls", "seconds", "cpu_seconds", "_start")
+
+    def __init__(self) -> None:
+        self.calls, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
+
+    def __enter__(self) -> None:
+        self._start = (time.perf_counter(), time.thread_time())
+
+    def __exit__(self, *exc: object) -> None:
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._start[0]
+        self.cpu_seconds += time.thread_time() - self._start[1]
+
+
 class RowRecorder:
     """Records the tagged rows of every forward until the engine side takes them."""
 
@@ -62,10 +80,8 @@ class RowRecorder:
         self.below: dict[str, int] = {}  # this step's requests with leading rows below their window -> how many
         self.chunks_recorded = 0  # (request, forward) pairs recorded: with accepted drafts, fewer than tokens
         self.scheduled_rows = 0  # tagged rows scheduled in the step that is running now
-        self.record_seconds = 0.0  # host time the engine's thread spent in the recorder (this generation)
-        self.record_cpu_seconds = 0.0  # the part of it the thread ran (the rest: waiting for the GIL or the device)
-        self.tag_takes = 0  # a server's tag takes, and the engine thread's time in them (since the start)
-        self.tag_take_seconds = self.tag_take_cpu_seconds = 0.0
+        self.recording = EngineTime()  # the engine thread's time in the recorder (this generation)
+        self.tag_takes = EngineTime()  # ... in a server's tag takes (since the start)
         self.destination: RowDestination | None = None  # rows go here during the generation
         self._batch: BatchFacts | None = None  # the last forward's batch facts (None: rebuild)
         copies = CopyStream()
@@ -82,6 +98,14 @@ class RowRecorder:
         """Bytes of rows held until taken (the budget counts them)."""
         return self.held.bytes_held
 
+    def engine_time(self) -> dict:
+        """What capture cost the engine's thread: forwards recorded and the recorder's seconds
+        (this generation), tag takes and their seconds (since the start); wall and CPU."""
+        return {"forwards_recorded": self.forwards_recorded, "record_seconds": round(self.recording.seconds, 6),
+                "record_cpu_seconds": round(self.recording.cpu_seconds, 6), "tag_takes": self.tag_takes.calls,
+                "tag_take_seconds": round(self.tag_takes.seconds, 6),
+                "tag_take_cpu_seconds": round(self.tag_takes.cpu_seconds, 6)}
+
     @property
     def rows_placed(self) -> int:
         """Rows of this generation sent to its destination so far."""
@@ -94,12 +118,8 @@ class RowRecorder:
 
     # ------------------------------------------------------------------ schedule
     def on_schedule(self, step: ScheduledStep) -> None:
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
+        with self.recording:
             self._schedule(step)
-        finally:
-            self.record_seconds += time.perf_counter() - start
-            self.record_cpu_seconds += time.thread_time() - cpu
 
     def _schedule(self, step: ScheduledStep) -> None:
         if step.new_requests or step.finished_req_ids:
@@ -134,12 +154,8 @@ class RowRecorder:
         """Record the tagged rows of one forward. ``streams`` (layer-hook route) replace
         ``step.aux``; both are in sorted HF-index order. ``points`` are the sublayer sites'
         values in ``settings.points`` order (columns after the layers)."""
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
+        with self.recording:
             self._record(step, streams, points)
-        finally:
-            self.record_seconds += time.perf_counter() - start
-            self.record_cpu_seconds += time.thread_time() - cpu
 
     def _record(self, step: StepOutputs, streams: list[torch.Tensor] | None,
                 points: list[torch.Tensor] | None) -> None:
@@ -229,7 +245,7 @@ class RowRecorder:
                       "rows_recorded": self.rows_recorded, "chunks_recorded": self.chunks_recorded,
                       "rows_skipped": self.rows_skipped, "bytes_to_host": self.bytes_to_host,
                       "bytes": bytes_held,
-                      "record_seconds": round(self.record_seconds, 6),
+                      "record_seconds": round(self.recording.seconds, 6),
                       "place_seconds": round(sink_stats["place_seconds"], 6),
                       "rows_written_on_device": sink_stats["rows_written_on_device"]}
         rows.error = self.error or rows.error
@@ -237,7 +253,7 @@ class RowRecorder:
         self._sink, self.destination, self.tags.announced = self.held, None, None
         self._batch = None
         self.forwards_seen = self.forwards_expected = self.forwards_recorded = 0
-        self.record_seconds = self.record_cpu_seconds = 0.0
+        self.recording = EngineTime()
         self.rows_expected = self.rows_recorded = self.chunks_recorded = 0
         self.rows_skipped = self.bytes_to_host = 0
         return rows
@@ -254,11 +270,8 @@ class RowRecorder:
         if forget:
             self.tags.forget({int(t) for t in tags})
             self._batch = None
-        start, cpu = time.perf_counter(), time.thread_time()
-        rows = self.held.take_tags(tags, forget)
-        self.tag_takes += 1
-        self.tag_take_seconds += time.perf_counter() - start
-        self.tag_take_cpu_seconds += time.thread_time() - cpu
+        with self.tag_takes:
+            rows = self.held.take_tags(tags, forget)
         # A recorder error (budget) dropped every request's rows: report it once; the caller
         # recomputes what is missing.
         rows.error, self.error = self.error, None

@@ -294,10 +294,7 @@ class UncertaintyService:
         worker = await self.capture.status()
         return {"process_id": os.getpid(), "running_requests": len(self.registry), "worker_bytes_held": worker.get("bytes_held", 0),
                 "worker_tags_refused": {k: v for k, v in worker.items() if k.startswith("tags_")},
-                # the engine thread's time in capture: per forward recorded, per tag take (RPC)
-                "worker_engine_time": {k: worker.get(k, 0) for k in ("forwards_recorded", "record_seconds",
-                                                                     "record_cpu_seconds", "tag_takes",
-                                                                     "tag_take_seconds", "tag_take_cpu_seconds")},
+                "worker_engine_time": worker.get("engine_time", {}),  # RowRecorder.engine_time
                 "server_bytes_held": sum(r.bytes_held() for r in self.registry.values()),
                 "store_bytes": self.completion.store.bytes_held, "store_blocks": len(self.completion.store),
                 "captured_layers": list(self.settings.layers),
