@@ -241,6 +241,18 @@ class Runner:
                                 "held_bytes": st.held_bytes, "row_files_created": files.created,
                                 "row_files_reused": files.reused})
 
+    def run_untagged(self, workload: Workload) -> RunResult:
+        """Time ``workload`` on this capturing engine asked as plain vLLM is (``llm.generate``, no
+        capture tags: nothing recorded nor fetched): the cost of its capture set-up alone."""
+        wl = workload
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        gc.collect()
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(self.prompts[: wl.num_prompts], wl.sampling_params(), use_tqdm=False)
+        dt = time.perf_counter() - t0
+        return RunResult(dt, _generated(outputs), extra={"vllm_generate_seconds": dt})
+
     def warmup(self, workload: Workload) -> None:
         """Same batch shape as the timed workload, few tokens: compiles kernels, fills caches."""
         self.run(Workload(workload.num_prompts, workload.n, min(8, workload.max_tokens),

@@ -52,6 +52,10 @@ from .env import REPO_ROOT
 
 DEFAULT_OUT = REPO_ROOT / "experiments" / "results" / "bench-grid"
 MODES = ("all", "generated")
+#: ways beyond the generator's modes: "untagged" asks the capturing engine as plain vLLM is asked
+#: (no capture tags, so nothing is recorded): what the engine's capture set-up alone costs (the
+#: layers' aux outputs in its graphs, the runner's wrappers), apart from recording and fetching
+WAYS = MODES + ("untagged",)
 #: --quick: the target cell (1,000-token prompts, n=4) and one step along each axis, 3 layers
 QUICK_CELLS = ((100, 4), (1000, 4), (4000, 4), (1000, 16))
 
@@ -143,6 +147,9 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                                     "prompts": len(prompts), "sequences": len(prompts) * n, "modes": {}, "skipped": {}}
             ways = ["plain"]
             for m in modes:
+                if m == "untagged":
+                    ways.append(m)
+                    continue
                 copies = len(prompts) * n * (length + args.max_tokens) * row_bytes  # a row copy per sample
                 if m == "all" and copies > budget:
                     cell["skipped"][m] = (f"rows of one call could take {copies / 2**30:.1f} GiB (a prompt copy per "
@@ -150,13 +157,16 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     log(f"  prompt {length} n={n}: mode {m} skipped: {cell['skipped'][m]}")
                 else:
                     ways.append(m)
-            kw = {m: ({"window": m} if windowed else {}) for m in modes}
+            kw = {m: ({"window": m} if windowed else {}) for m in modes if m != "untagged"}
             for r in (plain, ours):
                 r.prompts = prompts
             warm = Workload(len(prompts), n, min(8, args.max_tokens))
             for w in list(ways):  # untimed: allocations of this batch shape; a mode that fails here is dropped
                 if w == "plain":
                     plain.run(warm)
+                    continue
+                if w == "untagged":
+                    ours.run_untagged(warm)
                     continue
                 try:
                     ours.run(warm, **kw[w])
@@ -169,8 +179,8 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
             for rep in range(args.reps):
                 k = rep % len(ways)
                 for w in ways[k:] + ways[:k]:
-                    if w == "plain":
-                        seconds[w].append(plain.run(wl).seconds)
+                    if w in ("plain", "untagged"):
+                        seconds[w].append((plain.run(wl) if w == "plain" else ours.run_untagged(wl)).seconds)
                         continue
                     keep: list = []
                     res = ours.run(wl, keep, **kw[w])
@@ -184,6 +194,13 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     keep.clear()
             cell["plain_seconds"] = seconds["plain"]
             for m in ways[1:]:
+                if m == "untagged":
+                    cell["modes"][m] = {"seconds": seconds[m], **median_ratio(seconds["plain"], seconds[m]),
+                                        "rows_returned": 0, "bytes_to_host": 0, "floor_rows": 0, "floor_bytes": 0,
+                                        "bytes_over_floor": 0.0}
+                    log(f"  layers {count} prompt {length} n={n} untagged: capture engine/plain "
+                        f"{cell['modes'][m]['throughput_ratio']:.3f}")
+                    continue
                 floor = floor_rows(len(prompts), length, n, args.max_tokens, m)
                 cell["modes"][m] = {"seconds": seconds[m], **median_ratio(seconds["plain"], seconds[m]), **last[m],
                                     "floor_rows": floor, "floor_bytes": floor * row_bytes,
@@ -210,7 +227,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {c['layers']} | {c['prompt_tokens']} | {c['n']} | {mode} | **{r['throughput_ratio']:.3f}** | "
                          f"{r['pairs_median']:.3f} ({r['pairs_min']:.3f}-{r['pairs_max']:.3f}) | {r['rows_returned']} | "
                          f"{(r['bytes_to_host'] or 0) / 2**20:.1f} | {r['floor_bytes'] / 2**20:.1f} | "
-                         f"{r['bytes_over_floor']:.2f} |")
+                         + (f"{r['bytes_over_floor']:.2f} |" if r["floor_bytes"] else "- |"))
         for mode, why in c["skipped"].items():
             lines.append(f"| {c['layers']} | {c['prompt_tokens']} | {c['n']} | {mode} | skipped | {why} | | | | |")
     return "\n".join(lines) + "\n"
@@ -226,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[100, 1000, 4000])
     ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--layers", nargs="+", default=["1", "3", "all"], choices=["1", "3", "all"])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(WAYS),
+                    help="the generator's capture windows; 'untagged' adds the capturing engine asked without tags")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per call (sequences // n prompts)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
