@@ -14,7 +14,7 @@
 #   grid    experiments.bench.grid --quick: capture / plain over prompt length, n, windows (~4.5 min)
 #   bench-full, grid-full: the same without --quick (grid-full: one shape and layer count a call,
 #           e.g. GRID_ARGS="--shape llama8b --layers 1")
-# Extra arguments: BENCH_ARGS, GRID_ARGS (appended); each step's limit: TESTS_LIMIT (300 s),
+# Extra arguments: BENCH_ARGS, GRID_ARGS (appended), CAPTURE_K (the capture step's -k); each step's limit: TESTS_LIMIT (300 s),
 # FAULTS_LIMIT (220), CAPTURE_LIMIT (520), TP_LIMIT (300), BENCH_LIMIT (540), GRID_LIMIT (540). UHEAD_COMMIT names the commit (the machine gets
 # a working tree). $OUT gets at most 8 files (the device tool's limit): steps.txt (one line per
 # step: name, exit code, seconds), versions.json, each benchmark's .json and .md, and
@@ -70,7 +70,7 @@ for s in $steps; do
       mkdir -p "$LOGS/capture-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/capture-tests VLLM_ENABLE_V1_MULTIPROCESSING=1 \
         run_step capture "${CAPTURE_LIMIT:-520}" python3 -m pytest tests/gpu -n 4 -q -rfE -p no:cacheprovider \
-        --ignore=tests/gpu/test_serving_gpu.py -k "not rows_equal_hf_on_gpu and not tensor_parallel" ;;
+        --ignore=tests/gpu/test_serving_gpu.py -k "${CAPTURE_K:-not rows_equal_hf_on_gpu and not tensor_parallel}" ;;
     tp)
       mkdir -p "$LOGS/capture-tests"
       UHEAD_GPU_TOKENIZER=.gpu/tok UHEAD_GPU_RESULTS=$LOGS/capture-tests \
