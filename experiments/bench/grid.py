@@ -4,7 +4,9 @@ Axes: prompt length (tokens), samples per prompt ``n``, captured layers (1 / 3 /
 engine per count, built in turn beside one plain engine that lives through the run), and the
 generator's capture window (``"all"`` rows, today's contract, or ``"generated"`` rows only: the
 ``window`` keyword of ``VllmHiddenStatesGenerator.generate``; a mode the installed generator does
-not accept is skipped with a message, never timed as something else). Each call generates
+not accept is skipped with a message, never timed as something else). Two more ways on request
+(``--modes``): ``untagged``, the capturing engine asked without capture tags (the set-up's own
+cost), and ``scores``, an engine that reduces the generated rows to a head's inputs on the device. Each call generates
 ``--sequences`` sequences (``sequences // n`` prompts of random token ids, unique per prompt, each
 ``n`` times) of ``--max-tokens`` tokens with ``ignore_eos``. Per cell the ways (plain, then each
 mode) run ``--reps`` times, alternating in a rotated order, after one untimed short run of each;
@@ -22,6 +24,8 @@ token are never computed and are not counted.
     # on the GPU machine (vLLM's engine-core processes: two engines share no interpreter)
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.bench.grid --shape llama8b --tokenizer .gpu/tok --out $OUT/grid --quick
     VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.bench.grid --shape llama8b --layers 3 --tokenizer .gpu/tok --out ...
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 python -m experiments.bench.grid --shape llama8b --layers 3 --prompt-tokens 100 1000 4000 \
+        --n 4 --modes all generated untagged scores --tokenizer .gpu/tok --out ...   # every way, n=4
     # on a CPU (a smoke run: tiny model, tiny numbers)
     python -m experiments.bench.grid --model .cache/tiny_models/llama-v1 --cpu --prompt-tokens 16 48 --n 1 2 \\
         --layers 1 all --sequences 4 --max-tokens 4 --reps 1 --out /tmp/grid
@@ -54,8 +58,14 @@ DEFAULT_OUT = REPO_ROOT / "experiments" / "results" / "bench-grid"
 MODES = ("all", "generated")
 #: ways beyond the generator's modes: "untagged" asks the capturing engine as plain vLLM is asked
 #: (no capture tags, so nothing is recorded): what the engine's capture set-up alone costs (the
-#: layers' aux outputs in its graphs, the runner's wrappers), apart from recording and fetching
-WAYS = MODES + ("untagged",)
+#: layers' aux outputs in its graphs, the runner's wrappers), apart from recording and fetching;
+#: "scores" is an engine of its own that reduces each generated row to a head's inputs on the
+#: device (``build_llm(token_inputs=...)``, what ``serve --scores-on-device`` runs), so only
+#: D float32 a row leave it
+WAYS = MODES + ("untagged", "scores")
+#: a capturing run's wall time split (experiments/bench/engines.py): inside vLLM's generate (the
+#: forwards and the worker's recording), the generator's fetch, and the rest (plan and assembly)
+SPLITS = ("vllm_generate_seconds", "fetch_seconds", "assembly_seconds")
 #: --quick: the target cell (1,000-token prompts, n=4) and one step along each axis, 3 layers
 QUICK_CELLS = ((100, 4), (1000, 4), (4000, 4), (1000, 16))
 
@@ -123,9 +133,10 @@ def stats_of(res: Any) -> dict:
 
 def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtype: str, n_layers: int, hidden: int,
               vocab: int, cells: list[tuple[int, int]], modes: list[str], windowed: bool,
-              done: Callable[[dict], None]) -> None:
+              done: Callable[[dict], None], token_inputs: tuple[str, int] | None = None) -> None:
     """Build the capturing engine of ``count`` layers, time every cell against ``plain`` (``done``
-    gets each finished cell), close it."""
+    gets each finished cell), close it. ``token_inputs`` (a head's token-inputs file and its D):
+    the engine reduces rows to the head's inputs, and its one mode is ``"scores"``."""
     from .engines import Config, Runner
     from .workload import Workload
 
@@ -134,7 +145,11 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
     longest = max(length for length, _ in cells)
     t0 = time.perf_counter()
     mode = "eager" if args.eager else "compiled"
-    ours = Runner(Config("ours", mode, "bfloat16"), model, dtype, layers, engine_settings(args, longest),
+    engine = engine_settings(args, longest)
+    storage = "bfloat16"
+    if token_inputs is not None:
+        engine["token_inputs"], storage = token_inputs[0], "float32"
+    ours = Runner(Config("ours", mode, storage), model, dtype, layers, engine,
                   [], Workload(1, 1, args.max_tokens), max_capture_bytes=max(budget, 8 << 30))
     build_s = time.perf_counter() - t0
     log(f"capture engine, layers {count} ({len(layers)}): built in {build_s:.0f} s")
@@ -142,7 +157,7 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
         for length, n in cells:
             prompts = token_prompts(max(1, args.sequences // n), length, vocab, seed=length * 100 + n)
             wl = Workload(len(prompts), n, args.max_tokens)
-            row_bytes = len(layers) * hidden * 2
+            row_bytes = len(layers) * hidden * 2 if token_inputs is None else token_inputs[1] * 4
             cell: dict[str, Any] = {"layers": count, "captured_layers": list(layers), "prompt_tokens": length, "n": n,
                                     "prompts": len(prompts), "sequences": len(prompts) * n, "modes": {}, "skipped": {}}
             ways = ["plain"]
@@ -157,7 +172,8 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     log(f"  prompt {length} n={n}: mode {m} skipped: {cell['skipped'][m]}")
                 else:
                     ways.append(m)
-            kw = {m: ({"window": m} if windowed else {}) for m in modes if m != "untagged"}
+            kw = {m: ({"window": "generated" if m == "scores" else m} if windowed else {})
+                  for m in modes if m != "untagged"}
             for r in (plain, ours):
                 r.prompts = prompts
             warm = Workload(len(prompts), n, min(8, args.max_tokens))
@@ -175,6 +191,7 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     ways.remove(w)
                     log(f"  prompt {length} n={n}: mode {w} {cell['skipped'][w]}")
             seconds: dict[str, list[float]] = {w: [] for w in ways}
+            splits: dict[str, list[dict]] = {w: [] for w in ways}  # per run: inside vLLM's generate, fetch, the rest
             last: dict[str, dict] = {}
             for rep in range(args.reps):
                 k = rep % len(ways)
@@ -185,6 +202,7 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     keep: list = []
                     res = ours.run(wl, keep, **kw[w])
                     seconds[w].append(res.seconds)
+                    splits[w].append({k: res.extra[k] for k in SPLITS if k in res.extra})
                     stats = stats_of(keep[0]) if keep else {}
                     # the generator's own count where it keeps one, else the bytes its fetches handed over
                     to_host = stats.get("bytes_to_host", res.payload_bytes)
@@ -202,7 +220,8 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                         f"{cell['modes'][m]['throughput_ratio']:.3f}")
                     continue
                 floor = floor_rows(len(prompts), length, n, args.max_tokens, m)
-                cell["modes"][m] = {"seconds": seconds[m], **median_ratio(seconds["plain"], seconds[m]), **last[m],
+                cell["modes"][m] = {"seconds": seconds[m], "splits": splits[m],
+                                    **median_ratio(seconds["plain"], seconds[m]), **last[m],
                                     "floor_rows": floor, "floor_bytes": floor * row_bytes,
                                     "bytes_over_floor": (last[m]["bytes_to_host"] or 0) / (floor * row_bytes)}
                 log(f"  layers {count} prompt {length} n={n} {m}: capture/plain {cell['modes'][m]['throughput_ratio']:.3f}, "
@@ -210,6 +229,20 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
             done({**cell, "capture_engine_build_s": build_s})
     finally:
         ours.close()
+
+
+def head_inputs(model: Path, work: Path, layers: tuple[int, ...]) -> tuple[str, int]:
+    """A head on ``layers`` (a linear probe fitted on random features, as the serving bench's; its
+    numbers mean nothing, its shape is a shipped head's) saved as its token-inputs file, and its D."""
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from serving_server import build_tiny_head
+
+    from uhead_vllm.heads import load_head
+
+    inputs = load_head(str(build_tiny_head(model, work / f"head-{len(layers)}", list(layers)))).token_inputs()
+    path = work / f"token-inputs-{len(layers)}.safetensors"
+    inputs.save(str(path))
+    return str(path), int(inputs.weight.shape[0])
 
 
 def markdown(result: dict) -> str:
@@ -230,6 +263,17 @@ def markdown(result: dict) -> str:
                          + (f"{r['bytes_over_floor']:.2f} |" if r["floor_bytes"] else "- |"))
         for mode, why in c["skipped"].items():
             lines.append(f"| {c['layers']} | {c['prompt_tokens']} | {c['n']} | {mode} | skipped | {why} | | | | |")
+    split_rows = [(c, mode, r) for c in result["cells"] for mode, r in c["modes"].items() if r.get("splits")]
+    if split_rows:
+        lines += ["", "Where a capturing run's time goes (medians, ms): plain vLLM's whole run beside the capturing "
+                  "run's time inside vLLM's generate (forwards and recording), its fetch and the rest (plan, assembly).",
+                  "", "| layers | prompt tokens | n | mode | plain | inside generate | fetch | rest |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|"]
+        for c, mode, r in split_rows:
+            med = {k: 1e3 * statistics.median(s.get(k, 0.0) for s in r["splits"]) for k in SPLITS}
+            lines.append(f"| {c['layers']} | {c['prompt_tokens']} | {c['n']} | {mode} | "
+                         f"{1e3 * statistics.median(c['plain_seconds']):.0f} | {med['vllm_generate_seconds']:.0f} | "
+                         f"{med['fetch_seconds']:.0f} | {med['assembly_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -325,8 +369,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         for count in args.layers:
+            rows_modes = [m for m in modes if m != "scores"]
             try:
-                run_group(count, args, plain, model, dtype, n_layers, hidden, vocab, cells, modes, windowed, save)
+                if rows_modes:
+                    run_group(count, args, plain, model, dtype, n_layers, hidden, vocab, cells, rows_modes, windowed,
+                              save)
+                if "scores" in modes:
+                    run_group(count, args, plain, model, dtype, n_layers, hidden, vocab, cells, ["scores"], windowed,
+                              save, token_inputs=head_inputs(Path(model), args.out / "work", layer_set(n_layers, count)))
             except Exception as exc:  # one layer group failing leaves the others' numbers
                 skipped.append(f"layers {count}: failed: {exc!r}"[:600])
                 log(skipped[-1])
