@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -317,24 +318,43 @@ def test_plots_draw_the_right_curves(tmp_path, monkeypatch):
         assert imread(path).shape[:2] == (round(h), round(w))  # a real image of the figure's size
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def _sentencepiece_style_tokenizer() -> Any:
+    """A BPE with Llama 2's normalizer and decoders ('▁' for spaces, byte fallback, the text's first
+    space stripped), trained here on a few lines: the other family of fast-tokenizer decoders."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))])
+    tok.train_from_iterator(["the cat sat on the mat. 1 + 1 = 2\n", "Step one: 12*7 = 84.\nStep two: add 3.\n",
+                             "  spaces  and\ttabs\n"] * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "sentencepiece"])
 def test_token_char_ends_of_a_fast_tokenizer_equal_decoding_each_prefix(tiny_models, name):
-    """The fast path (every prefix in one call into the tokenizer's backend) gives the offsets that
-    decoding each prefix with the tokenizer's own ``decode`` gives: multi-byte characters split
-    across tokens, special tokens, whitespace, random ids."""
+    """The fast path (each token read off a short window, all windows in one call into the
+    tokenizer's backend) gives the offsets that decoding each prefix with the tokenizer's own
+    ``decode`` gives: multi-byte characters split across tokens, invalid byte runs, special tokens,
+    whitespace, random ids, answers longer than the window."""
     import random
 
     from transformers import AutoTokenizer
 
     from uhead_vllm.features import _as_decode_fn
 
-    tok = AutoTokenizer.from_pretrained(tiny_models[name])
+    tok = _sentencepiece_style_tokenizer() if name == "sentencepiece" else AutoTokenizer.from_pretrained(tiny_models[name])
     assert tok.backend_tokenizer is not None
     decode = _as_decode_fn(tok)
     rng = random.Random(0)
-    texts = ["Café 😀 数学\n\n 1 + 1 = 2.\n  so x=3", "  leading spaces\n\tand tabs \u00e9\u0301"]
+    texts = ["Café 😀 数学\n\n 1 + 1 = 2.\n  so x=3", "  leading spaces\n\tand tabs \u00e9\u0301",
+             "日本語のテキスト。🙂🙃 👩‍👩‍👧\n" * 3, " the cat sat\n on the mat\n\n\n x"]
     cases = [tok.encode(t, add_special_tokens=False) for t in texts]
-    cases.append([rng.randrange(tok.vocab_size) for _ in range(200)])
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 160))] for _ in range(60)]
     cases.append(cases[0][:5] + [tok.eos_token_id] + cases[1] + [tok.eos_token_id])
     for ids in cases:
         full = decode(ids)

@@ -27,6 +27,7 @@ Step spans are half-open token positions *relative to the first generated token*
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal, Protocol, Sequence
@@ -135,37 +136,69 @@ def _common_prefix_len(a: str, b: str) -> int:
     return i
 
 
-def _prefix_texts(ids: list[int], decoder: _Decoder | DecodeFn) -> tuple[str, list[str]]:
-    """The full text and the text of every prefix ``ids[:1]`` ... ``ids[:n]``.
+#: Tokens of context decoded before each token to read its text off (a fast tokenizer's decoders
+#: look back only a few tokens: a character split over byte tokens, a word's leading space).
+_CONTEXT_TOKENS = 12
 
-    A fast tokenizer decodes all prefixes in one call into its Rust backend (what its ``decode``
-    runs per call, without clean-up); used only where that backend gives the tokenizer's own
-    text for the whole answer, else one ``decode`` per prefix. The server splits every finished
-    choice and every streamed step end: per-prefix calls cost ~0.1 ms each."""
-    decode = _as_decode_fn(decoder)
-    full = decode(ids)
-    backend = getattr(decoder, "backend_tokenizer", None)
-    if backend is not None and ids:
-        texts = backend.decode_batch([ids[:k] for k in range(1, len(ids) + 1)], skip_special_tokens=True)
-        if texts[-1] == full:
-            return full, texts
-    return full, [decode(ids[:k]) for k in range(1, len(ids) + 1)]
+
+def _ends_with(full: str, agreed: int, tail: str, suffix: str) -> bool:
+    """Whether ``full[:agreed] + tail`` ends with ``suffix`` (built only as far as needed)."""
+    if len(suffix) <= len(tail):
+        return tail.endswith(suffix)
+    head = len(suffix) - len(tail)
+    return head <= agreed and full[agreed - head : agreed] + tail == suffix
+
+
+def _prefix_agreement(ids: list[int], backend: Any, full: str) -> list[int]:
+    """For every prefix ``ids[:k]``, how many leading characters its decoded text shares with
+    ``full``, the whole text's, without decoding every prefix (quadratic: 1.3 s for a 4,096-token
+    answer, and a server splits a growing answer at each possible step end).
+
+    Each token's text is read off a short window, ``ids[k-C:k]`` against ``ids[k-C:k+1]``, decoded
+    for all tokens in one call into the backend. The prefix text is kept as the part that agrees
+    with ``full`` plus a short disagreeing tail (a character whose bytes are not all there yet).
+    Where the window's text before the token is not where the prefix text ends (a window that
+    begins inside a character) or is empty, that one prefix is decoded whole: the result is what decoding
+    every prefix gives (``tests/test_heads.py`` compares the two)."""
+    n = len(ids)
+    starts = [max(0, k - _CONTEXT_TOKENS) for k in range(n)]
+    texts = backend.decode_batch([ids[s:k] for k, s in enumerate(starts)] + [ids[s : k + 1] for k, s in enumerate(starts)],
+                                 skip_special_tokens=True)
+    agreed, tail = 0, ""  # the prefix's text is full[:agreed] + tail
+    out: list[int] = []
+    for k in range(n):
+        before, now = texts[k], texts[n + k]
+        keep = agreed + len(tail) - len(before)  # the prefix text's length before the window's
+        # An empty window text (its tokens decode to nothing) does not anchor the token's: a
+        # decoder that strips the text's first space would strip the token's own.
+        if keep >= 0 and (before or not starts[k]) and _ends_with(full, agreed, tail, before):
+            base, rest = (keep, now) if keep <= agreed else (agreed, tail[: keep - agreed] + now)
+        else:
+            base, rest = 0, backend.decode(ids[: k + 1], skip_special_tokens=True)
+        shared = _common_prefix_len(rest, full[base : base + len(rest)])
+        agreed, tail = base + shared, rest[shared:]
+        out.append(agreed)
+    return out
 
 
 def token_char_ends(token_ids: Sequence[int], decoder: _Decoder | DecodeFn) -> tuple[str, list[int]]:
     """Decode the full text and the character offset where each token's text ends.
 
-    Offsets come from decoding prefixes cumulatively (O(n^2) chars, fine for answers of a few
-    thousand tokens). A prefix that ends inside a multi-token character decodes to a replacement
-    char; taking the common prefix with the full text (and a running max) assigns such partial
-    tokens zero width, and the character to the token that completes it.
+    A token's text ends where the decoded text of the prefix up to it stops agreeing with the full
+    text (a running max). A prefix that ends inside a multi-token character decodes to a
+    replacement char, so such partial tokens get zero width and the character goes to the token
+    that completes it. A fast tokenizer's prefixes are read in linear time (:func:`_prefix_agreement`);
+    other decoders decode every prefix.
     """
-    full, prefixes = _prefix_texts([int(t) for t in token_ids], decoder)
-    ends: list[int] = []
-    last = 0
-    for text in prefixes:
-        last = max(last, _common_prefix_len(text, full))
-        ends.append(last)
+    ids = [int(t) for t in token_ids]
+    decode = _as_decode_fn(decoder)
+    full = decode(ids)
+    backend = getattr(decoder, "backend_tokenizer", None)
+    if backend is not None and ids and backend.decode(ids, skip_special_tokens=True) == full:
+        agreement = _prefix_agreement(ids, backend, full)
+    else:  # one decode per prefix
+        agreement = [_common_prefix_len(decode(ids[:k]), full) for k in range(1, len(ids) + 1)]
+    ends = list(itertools.accumulate(agreement, max))
     if ends:
         ends[-1] = len(full)
     return full, ends

@@ -1,0 +1,81 @@
+"""What splitting a growing answer into steps costs: ``python -m experiments.bench.step_split``.
+
+A server scoring steps while a request runs splits the answer again at each possible step end
+(features.split_steps: every token's character offsets, then the cuts). Offsets used to come from
+decoding every prefix of the answer, quadratic in its length; now each token is read off a short
+window, all windows decoded in one call. Both are timed side by side on the same answers (the
+per-prefix way through a plain ``decode`` function, which is what any decoder without a fast
+backend still uses) and must give the same steps. Writes
+``experiments/results/bench/step_split.{json,md}`` stamped with commit, command and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+from experiments import provenance
+
+from .env import REPO_ROOT
+
+OUT = REPO_ROOT / "experiments" / "results" / "bench"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", default=str(REPO_ROOT / ".gpu" / "tok"), help="a fast tokenizer's folder")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from uhead_vllm.features import split_steps
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    text = "".join(f"Step {i}: 12 * {i} = {12 * i}, so we carry {i % 7} and move on to the next one.\n"
+                   for i in range(1000))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+
+    def per_prefix(t: list[int]) -> str:  # a plain decode function: no fast backend to batch
+        return tok.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def timed(f, *a) -> tuple[float, object]:
+        runs, out = [], None
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            out = f(*a)
+            runs.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(runs), out
+
+    cells = []
+    for n in args.tokens:
+        new_ms, new = timed(split_steps, ids[:n], tok)
+        old_ms, old = timed(split_steps, ids[:n], per_prefix)
+        assert new == old, f"the two ways split {n} tokens differently"
+        cells.append({"tokens": n, "steps": len(new), "per_prefix_ms": round(old_ms, 1), "windows_ms": round(new_ms, 1)})
+        print(cells[-1], flush=True)
+    result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.step_split",
+                                                                    *(argv if argv is not None else sys.argv[1:])]),
+              "hardware": platform.processor() or platform.machine(), "tokenizer": type(tok).__name__,
+              "vocab": len(tok), "reps": args.reps, "cells": cells}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "step_split.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["# Splitting an answer into steps: every prefix decoded vs each token read off a window", "",
+             f"commit `{result['commit']}`, command `{result['command']}`, {result['hardware']}, a "
+             f"{result['vocab']}-token vocabulary ({result['tokenizer']}); medians of {args.reps} runs; both ways give "
+             "the same steps", "", "| answer tokens | steps | every prefix (ms) | windows (ms) | x faster |",
+             "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {c['tokens']} | {c['steps']} | {c['per_prefix_ms']} | {c['windows_ms']} | "
+              f"{c['per_prefix_ms'] / max(c['windows_ms'], 1e-9):.0f} |" for c in cells]
+    (OUT / "step_split.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
