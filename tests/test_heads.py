@@ -366,3 +366,30 @@ def test_token_char_ends_of_a_fast_tokenizer_equal_decoding_each_prefix(tiny_mod
             ends.append(last)
         ends[-1] = len(full)
         assert token_char_ends(ids, tok) == (full, ends)
+
+
+@pytest.mark.parametrize("name", ["llama", "sentencepiece"])
+def test_offsets_kept_for_a_growing_answer_equal_a_fresh_split(tiny_models, name):
+    """An answer split again as it grows (a running request's, chunk by chunk; a chunk may end
+    inside a character) gives, at every size, the offsets and steps of splitting it afresh; an
+    answer that is not a continuation starts over."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from uhead_vllm.features import AnswerOffsets
+
+    tok = _sentencepiece_style_tokenizer() if name == "sentencepiece" else AutoTokenizer.from_pretrained(tiny_models[name])
+    rng = random.Random(1)
+    text = "Step 1: 3 + 4 = 7.\nCafé 😀 数学 then 7 * 2 = 14\n\n  so x=14.\n" * 4
+    answers = [tok.encode(text, add_special_tokens=False)]
+    answers += [[rng.randrange(len(tok)) for _ in range(90)] for _ in range(6)]
+    for ids in answers:
+        offsets = AnswerOffsets(tok)
+        size = 0
+        while size < len(ids):
+            size = min(len(ids), size + rng.randrange(1, 6))
+            assert offsets.char_ends(ids[:size]) == token_char_ends(ids[:size], tok)
+            assert split_steps(ids[:size], offsets) == split_steps(ids[:size], tok)
+        other = list(reversed(ids[:20]))
+        assert offsets.char_ends(other) == token_char_ends(other, tok)

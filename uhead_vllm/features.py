@@ -149,59 +149,91 @@ def _ends_with(full: str, agreed: int, tail: str, suffix: str) -> bool:
     return head <= agreed and full[agreed - head : agreed] + tail == suffix
 
 
-def _prefix_agreement(ids: list[int], backend: Any, full: str) -> list[int]:
-    """For every prefix ``ids[:k]``, how many leading characters its decoded text shares with
-    ``full``, the whole text's, without decoding every prefix (quadratic: 1.3 s for a 4,096-token
-    answer, and a server splits a growing answer at each possible step end).
+class AnswerOffsets:
+    """Character offsets of an answer's tokens (:meth:`char_ends`), kept between calls: an answer
+    that grows (a running request's, split again at each possible step end) costs only its new
+    tokens' work.
 
-    Each token's text is read off a short window, ``ids[k-C:k]`` against ``ids[k-C:k+1]``, decoded
-    for all tokens in one call into the backend. The prefix text is kept as the part that agrees
-    with ``full`` plus a short disagreeing tail (a character whose bytes are not all there yet).
-    Where the window's text before the token is not where the prefix text ends (a window that
-    begins inside a character) or is empty, that one prefix is decoded whole: the result is what decoding
-    every prefix gives (``tests/test_heads.py`` compares the two)."""
-    n = len(ids)
-    starts = [max(0, k - _CONTEXT_TOKENS) for k in range(n)]
-    texts = backend.decode_batch([ids[s:k] for k, s in enumerate(starts)] + [ids[s : k + 1] for k, s in enumerate(starts)],
-                                 skip_special_tokens=True)
-    agreed, tail = 0, ""  # the prefix's text is full[:agreed] + tail
-    out: list[int] = []
-    for k in range(n):
-        before, now = texts[k], texts[n + k]
-        keep = agreed + len(tail) - len(before)  # the prefix text's length before the window's
-        # An empty window text (its tokens decode to nothing) does not anchor the token's: a
-        # decoder that strips the text's first space would strip the token's own.
-        if keep >= 0 and (before or not starts[k]) and _ends_with(full, agreed, tail, before):
-            base, rest = (keep, now) if keep <= agreed else (agreed, tail[: keep - agreed] + now)
-        else:
-            base, rest = 0, backend.decode(ids[: k + 1], skip_special_tokens=True)
-        shared = _common_prefix_len(rest, full[base : base + len(rest)])
-        agreed, tail = base + shared, rest[shared:]
-        out.append(agreed)
-    return out
+    A token's text ends where the decoded text of the prefix up to it stops agreeing with the
+    whole text (a running max). A prefix that ends inside a multi-token character decodes to a
+    replacement char, so such partial tokens get zero width and the character goes to the token
+    that completes it. With a fast tokenizer the prefixes are not decoded one by one (quadratic:
+    1.2 s for a 4,096-token answer): each token's text is read off a short window,
+    ``ids[k-C:k]`` against ``ids[k-C:k+1]``, all windows in one call into the backend, and the
+    prefix text is kept as the part that agrees with the whole text plus a short disagreeing tail
+    (a character whose bytes are not all there yet). Where the window's text before the token is
+    not where the prefix text ends (a window that begins inside a character) or is empty, that
+    one prefix is decoded whole. The result is what decoding every prefix gives
+    (``tests/test_heads.py`` compares the two); other decoders decode every prefix.
+    """
+
+    def __init__(self, decoder: _Decoder | DecodeFn) -> None:
+        self.decode = _as_decode_fn(decoder)
+        self.backend: Any = getattr(decoder, "backend_tokenizer", None)  # a fast tokenizer's (None: other decoders)
+        self.ids: list[int] = []  # the tokens measured so far
+        self.windows: list[tuple[str, str]] = []  # per token: its window's text without it, with it
+        self.full = ""  # the text they were measured against
+        self.states: list[tuple[int, str]] = []  # per token: its prefix text as (chars agreeing, tail)
+
+    def char_ends(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
+        """The whole text and the character offset where each token's text ends."""
+        ids = [int(t) for t in token_ids]
+        full = self.decode(ids)
+        backend = self.backend
+        if backend is not None and ids and backend.decode(ids, skip_special_tokens=True) == full:
+            agreement = self._agreement(ids, full)
+        else:  # one decode per prefix
+            agreement = [_common_prefix_len(self.decode(ids[:k]), full) for k in range(1, len(ids) + 1)]
+        ends = list(itertools.accumulate(agreement, max))
+        if ends:
+            ends[-1] = len(full)
+        return full, ends
+
+    def _agreement(self, ids: list[int], full: str) -> list[int]:
+        """Per prefix ``ids[:k+1]``, how many leading characters its text shares with ``full``."""
+        kept = len(self.ids)
+        if ids[:kept] != self.ids:  # not a continuation: start afresh
+            kept = 0
+            self.windows, self.states = [], []
+        self._read_windows(ids, kept)
+        # A token's state stays valid while everything its step read of the whole text is unchanged.
+        same = _common_prefix_len(self.full, full) if kept else 0
+        k = 0
+        while k < kept and self.states[k][0] + len(self.states[k][1]) <= same:  # its prefix text's length
+            k += 1
+        del self.states[k:]
+        agreed, tail = self.states[-1] if self.states else (0, "")
+        backend = self.backend
+        for k in range(k, len(ids)):
+            before, now = self.windows[k]
+            keep = agreed + len(tail) - len(before)  # the prefix text's length before the window's
+            # An empty window text (its tokens decode to nothing) does not anchor the token's: a
+            # decoder that strips the text's first space would strip the token's own.
+            if keep >= 0 and (before or k <= _CONTEXT_TOKENS) and _ends_with(full, agreed, tail, before):
+                base, rest = (keep, now) if keep <= agreed else (agreed, tail[: keep - agreed] + now)
+            else:
+                base, rest = 0, backend.decode(ids[: k + 1], skip_special_tokens=True)
+            shared = _common_prefix_len(rest, full[base : base + len(rest)])
+            agreed, tail = base + shared, rest[shared:]
+            self.states.append((agreed, tail))
+        self.ids, self.full = ids, full
+        return [a for a, _ in self.states]
+
+    def _read_windows(self, ids: list[int], kept: int) -> None:
+        """The window texts of the tokens from ``kept`` on (a token's depends only on the tokens up
+        to it), all in one call into the backend."""
+        new = range(kept, len(ids))
+        starts = [max(0, k - _CONTEXT_TOKENS) for k in new]
+        texts = self.backend.decode_batch([ids[s:k] for k, s in zip(new, starts)]
+                                          + [ids[s : k + 1] for k, s in zip(new, starts)], skip_special_tokens=True)
+        del self.windows[kept:]
+        self.windows += zip(texts[: len(new)], texts[len(new) :])
 
 
 def token_char_ends(token_ids: Sequence[int], decoder: _Decoder | DecodeFn) -> tuple[str, list[int]]:
-    """Decode the full text and the character offset where each token's text ends.
-
-    A token's text ends where the decoded text of the prefix up to it stops agreeing with the full
-    text (a running max). A prefix that ends inside a multi-token character decodes to a
-    replacement char, so such partial tokens get zero width and the character goes to the token
-    that completes it. A fast tokenizer's prefixes are read in linear time (:func:`_prefix_agreement`);
-    other decoders decode every prefix.
-    """
-    ids = [int(t) for t in token_ids]
-    decode = _as_decode_fn(decoder)
-    full = decode(ids)
-    backend = getattr(decoder, "backend_tokenizer", None)
-    if backend is not None and ids and backend.decode(ids, skip_special_tokens=True) == full:
-        agreement = _prefix_agreement(ids, backend, full)
-    else:  # one decode per prefix
-        agreement = [_common_prefix_len(decode(ids[:k]), full) for k in range(1, len(ids) + 1)]
-    ends = list(itertools.accumulate(agreement, max))
-    if ends:
-        ends[-1] = len(full)
-    return full, ends
+    """Decode the full text and the character offset where each token's text ends (see
+    :class:`AnswerOffsets`, which keeps what it measured for an answer that grows)."""
+    return AnswerOffsets(decoder).char_ends(token_ids)
 
 
 def _cut_positions(text: str, mode: str) -> list[int]:
@@ -230,7 +262,7 @@ def _validate_spans(spans: Sequence[StepSpan | tuple[int, int]], n_tokens: int) 
 
 def split_steps(
     token_ids: Sequence[int],
-    decoder: _Decoder | DecodeFn | None = None,
+    decoder: _Decoder | DecodeFn | AnswerOffsets | None = None,
     mode: Literal["line", "sentence"] = "line",
     spans: Sequence[StepSpan | tuple[int, int]] | None = None,
 ) -> list[StepSpan]:
@@ -240,7 +272,8 @@ def split_steps(
     A token belongs to the step holding its first non-whitespace character (whitespace-only tokens:
     their first character), so ``".\\n"`` closes a line and ``"\\nThe"`` opens the next one.
     Whitespace-only steps are merged into the previous step (the next one if first). Pass ``spans``
-    to use explicit steps from the caller instead; they are validated and returned.
+    to use explicit steps from the caller instead; they are validated and returned. ``decoder``
+    may be an :class:`AnswerOffsets` kept for an answer split again as it grows.
     """
     n = len(token_ids)
     if spans is not None:
@@ -249,7 +282,8 @@ def split_steps(
         raise ValueError("split_steps needs a decoder (tokenizer or decode fn) unless spans are given")
     if n == 0:
         return []
-    text, ends = token_char_ends(token_ids, decoder)
+    offsets = decoder if isinstance(decoder, AnswerOffsets) else AnswerOffsets(decoder)
+    text, ends = offsets.char_ends(token_ids)
     cuts = _cut_positions(text, mode)
 
     seg: list[int] = []

@@ -6,7 +6,9 @@ decoding every prefix of the answer (all prefixes in one call into a fast tokeni
 quadratic in its length; now each token is read off a short window, all windows decoded in one
 call. Timed side by side on the same answers: every prefix decoded one by one (a plain ``decode``
 function, what a decoder without a fast backend still uses), every prefix in one backend call (the
-previous way, offsets only) and the windows; all must give the same offsets and steps. Writes
+previous way, offsets only) and the windows; all must give the same offsets and steps. And the
+server's case: an answer split again at every step end as it grows, afresh each time or with its
+offsets kept between splits. Writes
 ``experiments/results/bench/step_split.{json,md}`` stamped with commit, command and hardware.
 """
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from uhead_vllm.features import _common_prefix_len, split_steps, token_char_ends
+    from uhead_vllm.features import AnswerOffsets, _common_prefix_len, split_steps, token_char_ends
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     text = "".join(f"Step {i}: 12 * {i} = {12 * i}, so we carry {i % 7} and move on to the next one.\n"
@@ -61,6 +63,15 @@ def main(argv: list[str] | None = None) -> dict:
             runs.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(runs), out
 
+    def growing(t: list[int], kept: bool) -> int:
+        """Split at every step end as the answer grows (what a server scoring a running request
+        does), with offsets kept between splits or each split afresh; returns the splits made."""
+        offsets = AnswerOffsets(tok)
+        ends = [k + 1 for k, piece in enumerate(tok.batch_decode([[i] for i in t])) if "\n" in piece]
+        for end in ends:
+            split_steps(t[:end], offsets if kept else tok)
+        return len(ends)
+
     cells = []
     for n in args.tokens:
         new_ms, new = timed(split_steps, ids[:n], tok)
@@ -68,8 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
         batch_ms, batch_ends = timed(all_prefixes_at_once, ids[:n])
         assert new == old, f"the two ways split {n} tokens differently"
         assert batch_ends == token_char_ends(ids[:n], tok)[1], f"offsets of {n} tokens differ"
+        fresh_ms, splits = timed(growing, ids[:n], False)
+        kept_ms, _ = timed(growing, ids[:n], True)
         cells.append({"tokens": n, "steps": len(new), "per_prefix_ms": round(old_ms, 1),
-                      "all_prefixes_one_call_ms": round(batch_ms, 1), "windows_ms": round(new_ms, 1)})
+                      "all_prefixes_one_call_ms": round(batch_ms, 1), "windows_ms": round(new_ms, 1),
+                      "growing_splits": splits, "growing_fresh_ms": round(fresh_ms, 1), "growing_kept_ms": round(kept_ms, 1)})
         print(cells[-1], flush=True)
     result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.step_split",
                                                                     *(argv if argv is not None else sys.argv[1:])]),
@@ -85,6 +99,11 @@ def main(argv: list[str] | None = None) -> dict:
              "offsets only) | windows, split included (ms) |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {c['tokens']} | {c['steps']} | {c['per_prefix_ms']} | {c['all_prefixes_one_call_ms']} | "
               f"{c['windows_ms']} |" for c in cells]
+    lines += ["", "A growing answer split at every step end (a server scoring a running request), windows each time "
+              "afresh vs offsets kept between splits (`features.AnswerOffsets`), all splits together:", "",
+              "| answer tokens | splits | afresh (ms) | kept (ms) |", "|---:|---:|---:|---:|"]
+    lines += [f"| {c['tokens']} | {c['growing_splits']} | {c['growing_fresh_ms']} | {c['growing_kept_ms']} |"
+              for c in cells]
     (OUT / "step_split.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

@@ -35,6 +35,7 @@ class SequenceState:
     pending_steps: list[dict] = field(default_factory=list)  # scored, not yet sent in a stream chunk
     text_seen: int = 0  # characters of ``text`` already looked at for a possible step end
     boundary_pending: bool = False  # a step may have ended: re-split on the next outputs
+    offsets: Any = None  # the running choice's token offsets (features.AnswerOffsets), kept between splits
     step_error: str | None = None  # scoring the running choice failed (its final object still comes)
     error_sent: bool = False
     stopped_step: int | None = None  # the step whose P(wrong) reached stop_above (the choice was aborted)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from scipy.special import expit
 
-from ..features import FeatureRecipe, StepSpan, pool, split_steps, topk_logprob_rows
+from ..features import AnswerOffsets, FeatureRecipe, StepSpan, pool, split_steps, topk_logprob_rows
 from ..heads import UncertaintyHead
 from ..heads.token_inputs import TokenInputs
 from ..scoring.recipe import GenerationRecipe
@@ -139,9 +139,15 @@ class Scorer:
         return {"answer_p_wrong": scored.uncertainty,
                 "steps": [step_dict(s.text, s.start, s.end, s.uncertainty) for s in scored.steps]}
 
-    def final_spans(self, token_ids: list[int]) -> list[StepSpan]:
-        """Steps of a growing answer that can no longer change: all but the last one."""
-        return split_steps(token_ids, self.tokenizer, mode=self.recipe.split_mode)[:-1] if token_ids else []
+    def answer_offsets(self) -> AnswerOffsets:
+        """Token offsets for one growing answer, kept between its splits (:meth:`final_spans`)."""
+        return AnswerOffsets(self.tokenizer)
+
+    def final_spans(self, token_ids: list[int], offsets: AnswerOffsets | None = None) -> list[StepSpan]:
+        """Steps of a growing answer that can no longer change: all but the last one (``offsets``:
+        the answer's, from :meth:`answer_offsets`, so a split costs only the new tokens' decoding)."""
+        decoder = self.tokenizer if offsets is None else offsets
+        return split_steps(token_ids, decoder, mode=self.recipe.split_mode)[:-1] if token_ids else []
 
     def _token_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
                         spans: Sequence[StepSpan]) -> list[torch.Tensor | None]:

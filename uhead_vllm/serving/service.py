@@ -248,7 +248,9 @@ class UncertaintyService:
         complete once the next has begun (its last token's row exists from then on)."""
         s = record.prompts[prompt_index].seqs[sample]
         assert self.scorer is not None  # the spec refuses steps on a server without a head
-        spans = self.scorer.final_spans(s.token_ids)
+        if s.offsets is None:
+            s.offsets = self.scorer.answer_offsets()
+        spans = self.scorer.final_spans(s.token_ids, s.offsets)
         if len(spans) <= s.steps_scored:
             return []
         await self.fetch(record)
