@@ -390,6 +390,7 @@ def test_offsets_kept_for_a_growing_answer_equal_a_fresh_split(tiny_models, name
         while size < len(ids):
             size = min(len(ids), size + rng.randrange(1, 6))
             assert offsets.char_ends(ids[:size]) == token_char_ends(ids[:size], tok)
-            assert split_steps(ids[:size], offsets) == split_steps(ids[:size], tok)
+            for mode in ("line", "sentence"):  # each mode keeps its own steps
+                assert split_steps(ids[:size], offsets, mode) == split_steps(ids[:size], tok, mode)
         other = list(reversed(ids[:20]))
         assert offsets.char_ends(other) == token_char_ends(other, tok)

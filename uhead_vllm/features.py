@@ -129,11 +129,14 @@ def _as_decode_fn(decoder: _Decoder | DecodeFn) -> DecodeFn:
 def _common_prefix_len(a: str, b: str) -> int:
     if b.startswith(a):
         return len(a)
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    while lo < hi:  # bisect with slice comparisons (memcmp), not a loop over characters
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 #: Tokens of context decoded before each token to read its text off (a fast tokenizer's decoders
@@ -174,34 +177,38 @@ class AnswerOffsets:
         self.windows: list[tuple[str, str]] = []  # per token: its window's text without it, with it
         self.full = ""  # the text they were measured against
         self.states: list[tuple[int, str]] = []  # per token: its prefix text as (chars agreeing, tail)
+        self.reach: list[int] = []  # per token: the longest prefix text up to it (what its state read)
+        self.ends: list[int] = []  # per token: chars agreeing, a running max (its end but for the last)
+        self.kept = 0  # tokens whose state the last call kept
+        self.steps: dict[str, tuple[str, list[int]]] = {}  # split_steps' last text and step per token, by mode
 
     def char_ends(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
         """The whole text and the character offset where each token's text ends."""
-        ids = [int(t) for t in token_ids]
+        ids = list(map(int, token_ids))
         full = self.decode(ids)
         backend = self.backend
         if backend is not None and ids and backend.decode(ids, skip_special_tokens=True) == full:
-            agreement = self._agreement(ids, full)
+            self._measure(ids, full)
+            ends = self.ends[:]
         else:  # one decode per prefix
             agreement = [_common_prefix_len(self.decode(ids[:k]), full) for k in range(1, len(ids) + 1)]
-        ends = list(itertools.accumulate(agreement, max))
+            ends = list(itertools.accumulate(agreement, max))
+            self.ids, self.kept = [], 0
         if ends:
             ends[-1] = len(full)
         return full, ends
 
-    def _agreement(self, ids: list[int], full: str) -> list[int]:
-        """Per prefix ``ids[:k+1]``, how many leading characters its text shares with ``full``."""
+    def _measure(self, ids: list[int], full: str) -> None:
+        """Each prefix ``ids[:k+1]``'s agreement with ``full``, from the first token whose state
+        could have changed since the last call."""
         kept = len(self.ids)
         if ids[:kept] != self.ids:  # not a continuation: start afresh
             kept = 0
-            self.windows, self.states = [], []
         self._read_windows(ids, kept)
         # A token's state stays valid while everything its step read of the whole text is unchanged.
-        same = _common_prefix_len(self.full, full) if kept else 0
-        k = 0
-        while k < kept and self.states[k][0] + len(self.states[k][1]) <= same:  # its prefix text's length
-            k += 1
-        del self.states[k:]
+        k = bisect.bisect_right(self.reach, _common_prefix_len(self.full, full), 0, kept) if kept else 0
+        del self.states[k:], self.reach[k:], self.ends[k:]
+        self.kept = k
         agreed, tail = self.states[-1] if self.states else (0, "")
         backend = self.backend
         for k in range(k, len(ids)):
@@ -216,8 +223,21 @@ class AnswerOffsets:
             shared = _common_prefix_len(rest, full[base : base + len(rest)])
             agreed, tail = base + shared, rest[shared:]
             self.states.append((agreed, tail))
+            self.reach.append(max(agreed + len(tail), self.reach[-1] if self.reach else 0))
+            self.ends.append(max(agreed, self.ends[-1] if self.ends else 0))
         self.ids, self.full = ids, full
-        return [a for a, _ in self.states]
+
+    def steps_kept(self, mode: str, text: str, ends: list[int]) -> list[int]:
+        """The step of each leading token that :func:`split_steps` can keep from its last split
+        of this answer (``text``, ``ends``: this one's): tokens whose offsets were kept and whose
+        text, and every step cut up to it, lie where the two texts agree (a cut needs the
+        character after it)."""
+        if mode not in self.steps:
+            return []
+        old_text, old_steps = self.steps[mode]
+        same = min(_common_prefix_len(old_text, text), len(old_text) - 2)
+        k = min(self.kept, len(old_steps) - 1, bisect.bisect_right(ends, same))
+        return old_steps[: max(k, 0)]
 
     def _read_windows(self, ids: list[int], kept: int) -> None:
         """The window texts of the tokens from ``kept`` on (a token's depends only on the tokens up
@@ -286,9 +306,9 @@ def split_steps(
     text, ends = offsets.char_ends(token_ids)
     cuts = _cut_positions(text, mode)
 
-    seg: list[int] = []
-    start = 0
-    for k, end in enumerate(ends):
+    seg = offsets.steps_kept(mode, text, ends)  # a growing answer's leading tokens keep their steps
+    start = ends[len(seg) - 1] if seg else 0
+    for end in ends[len(seg) :]:
         piece = text[start:end]
         if not piece:  # zero-width token: stays with its predecessor
             seg.append(seg[-1] if seg else 0)
@@ -297,6 +317,7 @@ def split_steps(
             anchor = start + (offset if offset < len(piece) else 0)
             seg.append(max(bisect.bisect_right(cuts, anchor), seg[-1] if seg else 0))
         start = end
+    offsets.steps[mode] = (text, seg)
 
     raw: list[StepSpan] = []
     begin = 0
