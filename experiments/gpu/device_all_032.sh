@@ -11,6 +11,7 @@
 #           captures points, which only hook eager engines; ~3 min)
 #   bench   experiments.serving.bench_gpu --quick: vanilla vLLM vs uhead-vllm serve (~4.5 min)
 #   held    experiments.bench.held_takes: the server's held rows on the engine thread (~30 s)
+#   churn   experiments.bench.record_churn: the recorder per step under a server's changing batches (~30 s)
 #   grid    experiments.bench.grid --quick: capture / plain over prompt length, n, windows (~4.5 min)
 #   bench-full, grid-full: the same without --quick (grid-full: one shape and layer count a call,
 #           e.g. GRID_ARGS="--shape llama8b --layers 1")
@@ -92,6 +93,10 @@ for s in $steps; do
       run_step held "${HELD_LIMIT:-120}" python3 -m experiments.bench.held_takes
       cp experiments/results/bench/held_takes-cuda.json experiments/results/bench/held_takes-cuda.md "$OUT/" 2>/dev/null
       cat experiments/results/bench/held_takes-cuda.md 2>/dev/null ;;
+    churn)  # the recorder per step as a server drives it (batches that change every step), from the device
+      run_step churn "${CHURN_LIMIT:-120}" python3 -m experiments.bench.record_churn
+      cp experiments/results/bench/record_churn-cuda.json experiments/results/bench/record_churn-cuda.md "$OUT/" 2>/dev/null
+      cat experiments/results/bench/record_churn-cuda.md 2>/dev/null ;;
     grid|grid-full)  # grid-full: without --quick; pick the shape and layer count with GRID_ARGS
       quick=$([ "$s" = grid ] && echo --quick)
       # shellcheck disable=SC2086
@@ -99,7 +104,7 @@ for s in $steps; do
         --tokenizer .gpu/tok --out "$LOGS/grid" $quick ${GRID_ARGS:-}
       cp "$LOGS"/grid/grid-*.json "$LOGS"/grid/grid-*.md "$OUT/" 2>/dev/null
       cat "$LOGS"/grid/grid-*.md 2>/dev/null ;;
-    *) echo "unknown step: $s (tests | capture | tp | faults | bench | bench-full | held | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
+    *) echo "unknown step: $s (tests | capture | tp | faults | bench | bench-full | held | churn | grid | grid-full)" | tee -a "$OUT/steps.txt" ;;
   esac
 done
 # everything else in one archive: logs, the tests' result files (the models' folders left out)
