@@ -32,7 +32,8 @@ OUT = REPO_ROOT / "experiments" / "results" / "bench"
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", default=str(REPO_ROOT / ".gpu" / "tok"), help="a fast tokenizer's folder")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a fast tokenizer's folder (default: the embedded SmolLM2 model's, from scripts/setup.sh)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from uhead_vllm.features import AnswerOffsets, _common_prefix_len, split_steps, token_char_ends
 
+    if args.tokenizer is None:
+        from uhead_vllm.models import embedded_model_path
+
+        args.tokenizer = str(embedded_model_path())
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     text = "".join(f"Step {i}: 12 * {i} = {12 * i}, so we carry {i % 7} and move on to the next one.\n"
                    for i in range(1000))
