@@ -143,11 +143,10 @@ class Scorer:
         """Token offsets for one growing answer, kept between its splits (:meth:`final_spans`)."""
         return AnswerOffsets(self.tokenizer)
 
-    def final_spans(self, token_ids: list[int], offsets: AnswerOffsets | None = None) -> list[StepSpan]:
+    def final_spans(self, token_ids: list[int], offsets: AnswerOffsets) -> list[StepSpan]:
         """Steps of a growing answer that can no longer change: all but the last one (``offsets``:
         the answer's, from :meth:`answer_offsets`, so a split costs only the new tokens' decoding)."""
-        decoder = self.tokenizer if offsets is None else offsets
-        return split_steps(token_ids, decoder, mode=self.recipe.split_mode)[:-1] if token_ids else []
+        return split_steps(token_ids, offsets, mode=self.recipe.split_mode)[:-1] if token_ids else []
 
     def _token_features(self, token_ids: list[int], logprobs: list[Any], generated_rows: torch.Tensor,
                         spans: Sequence[StepSpan]) -> list[torch.Tensor | None]:
