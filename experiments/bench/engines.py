@@ -168,23 +168,27 @@ class Runner:
 
         self.llm.generate = generate
 
-    def run(self, workload: Workload | None = None, keep: list | None = None, **generate_kwargs: Any) -> RunResult:
+    def run(self, workload: Workload | None = None, keep: list | None = None, *, untagged: bool = False,
+            **generate_kwargs: Any) -> RunResult:
         """Time one pass of ``workload``; pass ``keep`` to hold the results (for memory probes);
         ``generate_kwargs`` go to the generator's ``generate`` (capturing configurations only).
+        ``untagged``: ask a capturing engine as plain vLLM is asked (``llm.generate``, no capture
+        tags: nothing recorded nor fetched), the cost of its capture set-up alone.
 
         Besides wall time, the process CPU time of the pass is kept: on a machine shared with other
         work, CPU time is less disturbed by waiting for a core than wall time is.
         """
         c0 = time.process_time()
-        res = self._run(workload, keep, generate_kwargs)
+        res = self._run(workload, keep, generate_kwargs, untagged)
         res.cpu_seconds = time.process_time() - c0
         return res
 
-    def _run(self, workload: Workload | None, keep: list | None, generate_kwargs: dict | None = None) -> RunResult:
+    def _run(self, workload: Workload | None, keep: list | None, generate_kwargs: dict | None = None,
+             untagged: bool = False) -> RunResult:
         wl = workload or self.workload
         prompts = self.prompts[: wl.num_prompts]
         sp = wl.sampling_params()
-        if self.gen is not None:
+        if self.gen is not None and not untagged:
             self.gen.reset_hs_step_cache(reset_prefix_cache=True)
         elif not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
@@ -194,7 +198,7 @@ class Runner:
         self._fetch_seconds = 0.0
         self._generate_seconds = 0.0
         gc.collect()
-        if self.config.kind == "plain":
+        if self.config.kind == "plain" or untagged:
             t0 = time.perf_counter()
             outputs = self.llm.generate(prompts, sp, use_tqdm=False)
             dt = time.perf_counter() - t0
@@ -240,18 +244,6 @@ class Runner:
                                 "forwards_replayed": st.forwards_replayed,
                                 "held_bytes": st.held_bytes, "row_files_created": files.created,
                                 "row_files_reused": files.reused})
-
-    def run_untagged(self, workload: Workload) -> RunResult:
-        """Time ``workload`` on this capturing engine asked as plain vLLM is (``llm.generate``, no
-        capture tags: nothing recorded nor fetched): the cost of its capture set-up alone."""
-        wl = workload
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache")
-        gc.collect()
-        t0 = time.perf_counter()
-        outputs = self.llm.generate(self.prompts[: wl.num_prompts], wl.sampling_params(), use_tqdm=False)
-        dt = time.perf_counter() - t0
-        return RunResult(dt, _generated(outputs), extra={"vllm_generate_seconds": dt})
 
     def warmup(self, workload: Workload) -> None:
         """Same batch shape as the timed workload, few tokens: compiles kernels, fills caches."""

@@ -182,7 +182,7 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                     plain.run(warm)
                     continue
                 if w == "untagged":
-                    ours.run_untagged(warm)
+                    ours.run(warm, untagged=True)
                     continue
                 try:
                     ours.run(warm, **kw[w])
@@ -197,7 +197,7 @@ def run_group(count: str, args: argparse.Namespace, plain: Any, model: str, dtyp
                 k = rep % len(ways)
                 for w in ways[k:] + ways[:k]:
                     if w in ("plain", "untagged"):
-                        seconds[w].append((plain.run(wl) if w == "plain" else ours.run_untagged(wl)).seconds)
+                        seconds[w].append((plain.run(wl) if w == "plain" else ours.run(wl, untagged=True)).seconds)
                         continue
                     keep: list = []
                     res = ours.run(wl, keep, **kw[w])
