@@ -1,9 +1,13 @@
-"""What stamps a results file: the commit that made it, and the GPU it ran on."""
+"""What stamps a results file: the commit that made it, the command and the machine it ran on."""
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,3 +42,19 @@ def gpu_name() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "none (no nvidia-smi)"
     return out.splitlines()[0] if out else "none (no GPU listed)"
+
+
+def stamp(module: str, argv: list[str] | None, cuda: bool = False) -> dict[str, str]:
+    """A results file's commit, command (``python -m module`` with ``argv``, else this process's
+    arguments) and hardware (the GPU's name on a CUDA run, else the CPU's)."""
+    return {"commit": commit(),
+            "command": shlex.join(["python", "-m", module, *(argv if argv is not None else sys.argv[1:])]),
+            "hardware": gpu_name() if cuda else platform.processor() or platform.machine()}
+
+
+def write(out: Path, name: str, result: dict, lines: list[str]) -> None:
+    """``result`` as ``out/name.json`` and the report ``lines`` as ``out/name.md`` (and printed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

@@ -14,11 +14,7 @@ hardware.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -79,21 +75,15 @@ def main(argv: list[str] | None = None) -> dict:
         cells.append({**runs[0], "take_ms_max": max(r["take_ms_max"] for r in runs),
                       **{k: statistics.median(r[k] for r in runs) for k in ("record_ms_per_step", "take_ms_median")}})
     name = "held_takes" + ("-cuda" if device == "cuda" else "")
-    result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.held_takes",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
-              "hardware": provenance.gpu_name() if device == "cuda" else platform.processor() or platform.machine(),
-              "torch": torch.__version__, "workload": f"{REQUESTS} requests decoding, {WIDTH} float32 a row, "
+    result = {**provenance.stamp("experiments.bench.held_takes", argv, device == "cuda"), "torch": torch.__version__, "workload": f"{REQUESTS} requests decoding, {WIDTH} float32 a row, "
               f"takes of {PER_TAKE} tags", "reps": args.reps, "cells": cells}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Held rows: recording and tag takes on the engine thread ({result['workload']}, {device})", "",
              f"commit `{result['commit']}`, command `{result['command']}`, {result['hardware']}, torch "
              f"{result['torch']}; medians of {args.reps} runs", "",
              "| steps held | record ms / step | take ms (median / max) | rows a take |", "|---:|---:|---:|---:|"]
     lines += [f"| {c['steps_held']} | {c['record_ms_per_step']} | {c['take_ms_median']} / {c['take_ms_max']} | "
               f"{c['rows_per_take']} |" for c in cells]
-    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write(OUT, name, result, lines)
     return result
 
 

@@ -13,11 +13,7 @@ command and hardware.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -90,13 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     cells = [{"churn": churn, "reduced": reduced, "ms_per_step_median": round(statistics.median(runs[(churn, reduced)]), 3),
               "ms_per_step_runs": [round(x, 3) for x in runs[(churn, reduced)]]} for churn, reduced in cases]
     name = "record_churn" + ("-cuda" if device == "cuda" else f"-h{args.hidden}")
-    result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.record_churn",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
-              "hardware": provenance.gpu_name() if device == "cuda" else platform.processor() or platform.machine(),
-              "torch": torch.__version__, "workload": f"{REQUESTS} requests decoding, 2 layers x {args.hidden}, "
+    result = {**provenance.stamp("experiments.bench.record_churn", argv, device == "cuda"), "torch": torch.__version__, "workload": f"{REQUESTS} requests decoding, 2 layers x {args.hidden}, "
               f"{PREFILL}-token prefills joining", "steps": args.steps, "reps": args.reps, "cells": cells}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# The recorder per step, as a server drives it ({result['workload']}, {device})", "",
              f"commit `{result['commit']}`, command `{result['command']}`, {result['hardware']}, torch "
              f"{result['torch']}; medians of {args.reps} alternating runs of {args.steps} steps", "",
@@ -104,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"| {'reduced to ' + str(INPUTS) + ' inputs' if c['reduced'] else 'whole (bf16)'} | "
               f"{'one leaves, one joins each step' if c['churn'] else 'the same every step'} | "
               f"{c['ms_per_step_median']} |" for c in cells]
-    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write(OUT, name, result, lines)
     return result
 
 

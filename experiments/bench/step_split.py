@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 from experiments import provenance
@@ -90,12 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "all_prefixes_one_call_ms": round(batch_ms, 1), "windows_ms": round(new_ms, 1),
                       "growing_splits": splits, "growing_fresh_ms": round(fresh_ms, 1), "growing_kept_ms": round(kept_ms, 1)})
         print(cells[-1], flush=True)
-    result = {"commit": provenance.commit(), "command": shlex.join(["python", "-m", "experiments.bench.step_split",
-                                                                    *(argv if argv is not None else sys.argv[1:])]),
-              "hardware": platform.processor() or platform.machine(), "tokenizer": type(tok).__name__,
+    result = {**provenance.stamp("experiments.bench.step_split", argv), "tokenizer": type(tok).__name__,
               "vocab": len(tok), "reps": args.reps, "cells": cells}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "step_split.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Splitting an answer into steps: every prefix decoded vs each token read off a window", "",
              f"commit `{result['commit']}`, command `{result['command']}`, {result['hardware']}, a "
              f"{result['vocab']}-token vocabulary ({result['tokenizer']}); medians of {args.reps} runs; both ways give "
@@ -109,8 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
               "| answer tokens | splits | afresh (ms) | kept (ms) |", "|---:|---:|---:|---:|"]
     lines += [f"| {c['tokens']} | {c['growing_splits']} | {c['growing_fresh_ms']} | {c['growing_kept_ms']} |"
               for c in cells]
-    (OUT / "step_split.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write(OUT, "step_split", result, lines)
     return result
 
 
